@@ -1,0 +1,5 @@
+import sys
+
+from prefixgate.cli import main
+
+sys.exit(main())

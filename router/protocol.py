@@ -1,0 +1,275 @@
+"""The contract shared by replicas and gateways: block keys, Redis layout, event codec.
+
+Block keys (DESIGN.md):
+
+    root  = SHA-256(b"prefixgate/1" ‖ 0x00 ‖ model_id ‖ 0x00 ‖ u32le(block_size) ‖ salt)
+    key_0 = SHA-256(root    ‖ u32le(tokens[0:B]))
+    key_i = SHA-256(key_i-1 ‖ u32le(tokens[iB:(i+1)B]))
+
+Only full blocks get keys; the partial tail never does. Keys are 32 bytes; events and the
+router's index use the first 16 bytes (`short_key`), where a collision only misroutes (a
+replica verifies every hit against the stored token ids).
+
+Redis layout (one Redis per cluster, every name under the ``prefixgate:`` prefix):
+
+    prefixgate:replicas               SET of replica ids ever registered
+    prefixgate:replica:{id}           STRING json ReplicaInfo, with an expiry (heartbeat)
+    prefixgate:events:{id}            STREAM of block events, capped (XADD MAXLEN ~)
+    prefixgate:snapshot:{id}          STRING, encode_snapshot(): the replica's cached blocks
+    prefixgate:routed                 PUB/SUB channel of gateways' optimistic inserts
+
+Every event carries a per-replica sequence number that grows by one per event; a reader
+that sees a gap (or starts late) rebuilds that replica's view from the snapshot, whose
+``seq`` is the last event folded into it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal, NamedTuple
+
+DEFAULT_BLOCK_SIZE = 16
+KEY_BYTES = 32
+SHORT_KEY_BYTES = 16
+KEY_PREFIX = "prefixgate"
+
+REPLICAS_SET = f"{KEY_PREFIX}:replicas"
+ROUTED_CHANNEL = f"{KEY_PREFIX}:routed"
+
+
+def replica_info_key(replica_id: str) -> str:
+    return f"{KEY_PREFIX}:replica:{replica_id}"
+
+
+def events_stream_key(replica_id: str) -> str:
+    return f"{KEY_PREFIX}:events:{replica_id}"
+
+
+def snapshot_key(replica_id: str) -> str:
+    return f"{KEY_PREFIX}:snapshot:{replica_id}"
+
+
+# --------------------------------------------------------------------------- block keys
+
+
+def root_key(model_id: str, block_size: int, salt: str = "") -> bytes:
+    """The chain's start: differs across models, block sizes and tenants (salts)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    h = hashlib.sha256(b"prefixgate/1\x00")
+    h.update(model_id.encode("utf-8"))
+    h.update(b"\x00")
+    h.update(block_size.to_bytes(4, "little"))
+    h.update(salt.encode("utf-8"))
+    return h.digest()
+
+
+def _u32le(token_ids: Sequence[int]) -> bytes:
+    packed = array("I", token_ids)
+    if packed.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte "I"
+        packed = array("L", token_ids)
+    if sys.byteorder != "little":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    root: bytes,
+    *,
+    parent: bytes | None = None,
+    start_block: int = 0,
+) -> list[bytes]:
+    """Chained keys of every full block of ``token_ids``.
+
+    With ``parent`` and ``start_block`` the chain resumes mid-way: the keys of blocks
+    ``start_block..`` given the key of block ``start_block - 1`` (``root`` when None).
+    """
+    data = memoryview(_u32le(token_ids))
+    width = 4 * block_size
+    n_full = len(token_ids) // block_size
+    keys: list[bytes] = []
+    prev = root if parent is None else parent
+    sha = hashlib.sha256
+    for i in range(start_block, n_full):
+        prev = sha(prev + data[i * width : (i + 1) * width]).digest()
+        keys.append(prev)
+    return keys
+
+
+@dataclass(slots=True, frozen=True)
+class KeySpace:
+    """Everything that determines a block key except the tokens: model, block size, salt."""
+
+    model_id: str
+    block_size: int = DEFAULT_BLOCK_SIZE
+    salt: str = ""
+
+    @property
+    def root(self) -> bytes:
+        return root_key(self.model_id, self.block_size, self.salt)
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        return block_keys(token_ids, self.block_size, self.root)
+
+
+def short_key(key: bytes) -> bytes:
+    """The 16-byte form used on the wire and in the router's index."""
+    return key[:SHORT_KEY_BYTES]
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """What a replica reports about its load in every heartbeat."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    used_blocks: int = 0
+    total_blocks: int = 0
+    queued_prefill_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ReplicaInfo:
+    """A replica's registry record (``prefixgate:replica:{id}``), refreshed each heartbeat."""
+
+    replica_id: str
+    url: str
+    model: str
+    block_size: int
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    timestamp: float = 0.0
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> ReplicaInfo:
+        data = json.loads(raw)
+        load = ReplicaLoad(**data.pop("load", {}))
+        return cls(load=load, **data)
+
+
+# --------------------------------------------------------------------------- block events
+
+EventType = Literal["stored", "removed", "cleared"]
+
+
+@dataclass(slots=True, frozen=True)
+class BlockEvent:
+    """One change to a replica's cache.
+
+    ``stored``: ``keys`` form a chain (each the child of the one before), the first one a
+    child of ``parent`` (None: a chain that starts at the root). ``removed``: ``keys``
+    left the cache (any order). ``cleared``: the whole cache was dropped (no keys).
+    Keys are short (16-byte) keys.
+    """
+
+    seq: int
+    type: EventType
+    keys: tuple[bytes, ...] = ()
+    parent: bytes | None = None
+
+    def encode(self) -> dict[str, str]:
+        """Fields for XADD. Keys as one hex string (32 hex chars per key)."""
+        fields = {"seq": str(self.seq), "type": self.type, "keys": b"".join(self.keys).hex()}
+        if self.parent is not None:
+            fields["parent"] = self.parent.hex()
+        return fields
+
+    @classmethod
+    def decode(cls, fields: dict[bytes, bytes] | dict[str, str]) -> BlockEvent:
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        event_type = f["type"]
+        if event_type not in ("stored", "removed", "cleared"):
+            raise ValueError(f"unknown block event type {event_type!r}")
+        raw = bytes.fromhex(f.get("keys", ""))
+        if len(raw) % SHORT_KEY_BYTES:
+            raise ValueError("block event keys are not a whole number of 16-byte keys")
+        keys = tuple(raw[i : i + SHORT_KEY_BYTES] for i in range(0, len(raw), SHORT_KEY_BYTES))
+        parent = bytes.fromhex(f["parent"]) if f.get("parent") else None
+        return cls(seq=int(f["seq"]), type=event_type, keys=keys, parent=parent)  # type: ignore[arg-type]
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+class SnapshotBlock(NamedTuple):
+    parent: bytes | None
+    key: bytes
+
+
+class Snapshot(NamedTuple):
+    seq: int
+    blocks: list[SnapshotBlock]
+
+
+_SNAPSHOT_MAGIC = b"PGS1"
+
+
+def encode_snapshot(seq: int, blocks: Iterable[SnapshotBlock]) -> bytes:
+    """``PGS1 ‖ u64le(seq) ‖ records``; a record is ``flag ‖ parent16 ‖ key16`` where
+    flag 1 means the block has a parent and 0 that it starts at the root (parent bytes
+    then are zero and ignored). Parents come before their children."""
+    out = bytearray(_SNAPSHOT_MAGIC)
+    out += seq.to_bytes(8, "little")
+    zero = bytes(SHORT_KEY_BYTES)
+    for parent, key in blocks:
+        out += b"\x01" + parent if parent is not None else b"\x00" + zero
+        out += key
+    return bytes(out)
+
+
+def decode_snapshot(raw: bytes) -> Snapshot:
+    if raw[:4] != _SNAPSHOT_MAGIC:
+        raise ValueError("not a prefixgate snapshot")
+    seq = int.from_bytes(raw[4:12], "little")
+    width = 1 + 2 * SHORT_KEY_BYTES
+    body = raw[12:]
+    if len(body) % width:
+        raise ValueError("truncated snapshot")
+    blocks = []
+    for i in range(0, len(body), width):
+        has_parent = body[i] == 1
+        parent = body[i + 1 : i + 1 + SHORT_KEY_BYTES] if has_parent else None
+        blocks.append(SnapshotBlock(parent, body[i + 1 + SHORT_KEY_BYTES : i + width]))
+    return Snapshot(seq, blocks)
+
+
+# --------------------------------------------------------------------------- routed hints
+
+
+@dataclass(slots=True, frozen=True)
+class RoutedHint:
+    """A gateway's optimistic insert, shared with other gateways on ``ROUTED_CHANNEL``."""
+
+    gateway_id: str
+    replica_id: str
+    keys: tuple[bytes, ...]
+
+    def encode(self) -> str:
+        return json.dumps(
+            {"g": self.gateway_id, "r": self.replica_id, "k": b"".join(self.keys).hex()},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> RoutedHint:
+        data = json.loads(raw)
+        blob = bytes.fromhex(data["k"])
+        keys = tuple(blob[i : i + SHORT_KEY_BYTES] for i in range(0, len(blob), SHORT_KEY_BYTES))
+        return cls(gateway_id=data["g"], replica_id=data["r"], keys=keys)
