@@ -1,0 +1,59 @@
+"""Router settings, each with the default the simulation was tuned on (loadtest/simulate.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Thresholds and caps of the router. Every field has a documented default.
+
+    Load is counted in requests in flight (max of what this gateway counts itself and
+    what the replica last reported, see router/load.py).
+    """
+
+    # --- cache_aware ---------------------------------------------------------------
+    min_match_blocks: int = 1
+    """A prefix match shorter than this many blocks is "no useful match"."""
+    load_slack: float = 0.25
+    """Bounded-load factor ε: a replica is overloaded when taking one more request would
+    put it above ``ceil((1 + ε) · (total_in_flight + 1) / n_replicas)``. The same bound
+    drives consistent_hash's skip-to-next-node (Mirrokni et al., consistent hashing with
+    bounded loads). Smaller ε spreads hot prefixes sooner at the cost of more misses."""
+    load_abs_slack: int = 1
+    """Extra requests always allowed above the bound, so that at a handful of requests in
+    flight a single extra one does not count as overload."""
+
+    # --- ring ----------------------------------------------------------------------
+    ring_vnodes: int = 160
+    """Virtual nodes per replica on the uhashring ring."""
+
+    # --- index ---------------------------------------------------------------------
+    max_blocks_per_replica: int = 1_000_000
+    """Index cap per replica; beyond it the replica's least recently used blocks leave
+    the index (a few per insert, never a whole-tree walk)."""
+    optimistic_ttl_s: float = 30.0
+    """An optimistic insert that no ``stored`` event confirms within this window is
+    dropped — only for replicas that publish events; for the others (vLLM, SGLang
+    without our publisher) the optimistic view is all we have and only the cap bounds
+    it."""
+
+    # --- health --------------------------------------------------------------------
+    breaker_failures: int = 3
+    """Consecutive failures (requests or probes) that open a replica's circuit."""
+    breaker_cooldown_s: float = 5.0
+    """How long an open circuit stays open before one half-open trial is allowed."""
+    replica_ttl_s: float = 15.0
+    """A discovered replica whose registry record was not refreshed within this long
+    is unhealthy (Redis's key expiry removes it soon after)."""
+
+    def __post_init__(self) -> None:
+        if self.min_match_blocks < 1:
+            raise ValueError("min_match_blocks must be at least 1")
+        if self.load_slack < 0 or self.load_abs_slack < 0:
+            raise ValueError("load_slack and load_abs_slack must be non-negative")
+        if self.max_blocks_per_replica < 1:
+            raise ValueError("max_blocks_per_replica must be positive")
+        if self.breaker_failures < 1:
+            raise ValueError("breaker_failures must be at least 1")

@@ -1,0 +1,213 @@
+"""The prefix index: which replica holds which block, as a radix tree over key chains.
+
+A block key is a chained hash (router/protocol.py): it names its block *and* the whole
+path of blocks before it. So the radix tree needs no explicit edges: the map
+``key -> holders`` is the tree flattened, and walking a request's keys in order walks
+the tree from the root. ``match`` stops at the first key no candidate holds.
+
+Memory is the design constraint (target ≤ 200 bytes per indexed block at 10⁶ blocks):
+
+* node   = one dict entry ``short key (16 B) -> int bitmask of replica slots``; masks
+  are interned so that a million nodes share a few dozen int objects;
+* LRU    = one ``OrderedDict[key, None]`` per replica, oldest first, sharing the key
+  objects of the node map. "When it last touched it" is the position in that order.
+
+A chain is touched deepest block first, so the first block of a prefix is always newer
+than its continuation and cap eviction (``popitem(last=False)``, O(1)) takes a replica's
+oldest *leaves* first, keeping shared heads alive — the same order the replicas' caches
+evict in. Eviction happens a few blocks per insert, never as a walk over the tree.
+
+Optimistic (tentative) inserts sit in a per-replica dict ``key -> deadline`` in
+deadline order until an event confirms them or ``expire`` drops them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _ReplicaBlocks:
+    slot: int
+    lru: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    tentative: dict[bytes, float] = field(default_factory=dict)
+
+
+class PrefixIndex:
+    """Block keys held per replica, with matching, a per-replica cap and LRU eviction."""
+
+    __slots__ = ("_masks", "_nodes", "_replicas", "_slot_owner", "max_blocks_per_replica")
+
+    def __init__(self, max_blocks_per_replica: int = 1_000_000) -> None:
+        if max_blocks_per_replica < 1:
+            raise ValueError("max_blocks_per_replica must be positive")
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self._nodes: dict[bytes, int] = {}  # key -> bitmask of slots holding it
+        self._masks: dict[int, int] = {}  # interned mask ints (memory, see module doc)
+        self._replicas: dict[str, _ReplicaBlocks] = {}
+        self._slot_owner: list[str | None] = []  # slot -> replica id, None when free
+
+    # ----------------------------------------------------------------------- replicas
+
+    def _blocks_of(self, replica_id: str) -> _ReplicaBlocks:
+        blocks = self._replicas.get(replica_id)
+        if blocks is None:
+            try:
+                slot = self._slot_owner.index(None)
+                self._slot_owner[slot] = replica_id
+            except ValueError:
+                slot = len(self._slot_owner)
+                self._slot_owner.append(replica_id)
+            blocks = self._replicas[replica_id] = _ReplicaBlocks(slot)
+        return blocks
+
+    def drop_replica(self, replica_id: str) -> None:
+        """Remove every block of the replica and free its slot."""
+        if replica_id not in self._replicas:
+            return
+        self.clear(replica_id)
+        blocks = self._replicas.pop(replica_id)
+        self._slot_owner[blocks.slot] = None
+
+    @property
+    def replica_ids(self) -> list[str]:
+        return list(self._replicas)
+
+    # ----------------------------------------------------------------------- updates
+
+    def insert(
+        self, replica_id: str, keys: Sequence[bytes], *, tentative_until: float | None = None
+    ) -> None:
+        """Record that the replica holds the chain ``keys`` (first key = shallowest).
+
+        ``tentative_until``: an optimistic insert, dropped by ``expire`` after that time
+        unless a confirming insert (``tentative_until=None``) comes first. Blocks already
+        confirmed stay confirmed.
+        """
+        blocks = self._blocks_of(replica_id)
+        bit = 1 << blocks.slot
+        nodes, lru, tentative = self._nodes, blocks.lru, blocks.tentative
+        for key in reversed(keys):  # deepest first: heads end up newest (module doc)
+            mask = nodes.get(key, 0)
+            if mask & bit:
+                lru.move_to_end(key)
+                if tentative_until is None:
+                    tentative.pop(key, None)
+                elif key in tentative:
+                    del tentative[key]  # re-append: keeps the dict in deadline order
+                    tentative[key] = tentative_until
+                continue
+            nodes[key] = self._intern(mask | bit)
+            lru[key] = None
+            if tentative_until is not None:
+                tentative[key] = tentative_until
+        overflow = len(lru) - self.max_blocks_per_replica
+        for _ in range(overflow):
+            key, _none = lru.popitem(last=False)
+            tentative.pop(key, None)
+            self._unset(key, bit)
+
+    def remove(self, replica_id: str, keys: Iterable[bytes]) -> None:
+        """The replica no longer holds ``keys`` (unknown keys are ignored)."""
+        blocks = self._replicas.get(replica_id)
+        if blocks is None:
+            return
+        bit = 1 << blocks.slot
+        for key in keys:
+            if blocks.lru.pop(key, 0) is None:  # present (its value is None)
+                blocks.tentative.pop(key, None)
+                self._unset(key, bit)
+
+    def clear(self, replica_id: str) -> None:
+        """The replica holds nothing (its slot stays)."""
+        blocks = self._replicas.get(replica_id)
+        if blocks is None:
+            return
+        bit = 1 << blocks.slot
+        for key in blocks.lru:
+            self._unset(key, bit)
+        blocks.lru.clear()
+        blocks.tentative.clear()
+
+    def expire(self, replica_id: str, now: float) -> int:
+        """Drop the replica's optimistic inserts whose deadline passed; returns how many."""
+        blocks = self._replicas.get(replica_id)
+        if blocks is None:
+            return 0
+        expired = []
+        for key, deadline in blocks.tentative.items():  # deadline order
+            if deadline > now:
+                break
+            expired.append(key)
+        self.remove(replica_id, expired)
+        return len(expired)
+
+    def _unset(self, key: bytes, bit: int) -> None:
+        mask = self._nodes[key] & ~bit
+        if mask:
+            self._nodes[key] = self._intern(mask)
+        else:
+            del self._nodes[key]
+
+    def _intern(self, mask: int) -> int:
+        return self._masks.setdefault(mask, mask)
+
+    # ----------------------------------------------------------------------- queries
+
+    def match(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """Matched depth (leading blocks held) per replica; replicas with 0 are left out."""
+        if not keys:
+            return {}
+        nodes = self._nodes
+        active = nodes.get(keys[0], 0)
+        depth_by_slot: dict[int, int] = {}
+        depth = 1
+        while active and depth < len(keys):
+            held = active & nodes.get(keys[depth], 0)
+            if held != active:
+                _record(depth_by_slot, active & ~held, depth)
+                active = held
+            depth += 1
+        _record(depth_by_slot, active, depth)
+        owner = self._slot_owner
+        return {owner[slot]: d for slot, d in depth_by_slot.items()}  # type: ignore[misc]
+
+    def holds(self, replica_id: str, key: bytes) -> bool:
+        blocks = self._replicas.get(replica_id)
+        return blocks is not None and key in blocks.lru
+
+    def blocks(self, replica_id: str) -> int:
+        blocks = self._replicas.get(replica_id)
+        return 0 if blocks is None else len(blocks.lru)
+
+    def tentative_blocks(self, replica_id: str) -> int:
+        blocks = self._replicas.get(replica_id)
+        return 0 if blocks is None else len(blocks.tentative)
+
+    def __len__(self) -> int:
+        """Distinct blocks (nodes) in the index."""
+        return len(self._nodes)
+
+    def check_invariants(self) -> None:
+        holdings = 0
+        for replica_id, blocks in self._replicas.items():
+            assert self._slot_owner[blocks.slot] == replica_id
+            assert len(blocks.lru) <= self.max_blocks_per_replica
+            bit = 1 << blocks.slot
+            for key in blocks.lru:
+                assert self._nodes[key] & bit, "LRU entry without its node bit"
+            for key in blocks.tentative:
+                assert key in blocks.lru, "tentative block not held"
+            holdings += len(blocks.lru)
+        live = sum(1 << b.slot for b in self._replicas.values())
+        assert sum(m.bit_count() for m in self._nodes.values()) == holdings
+        assert all(m and not m & ~live for m in self._nodes.values())
+
+
+def _record(depth_by_slot: dict[int, int], mask: int, depth: int) -> None:
+    while mask:
+        low = mask & -mask
+        depth_by_slot[low.bit_length() - 1] = depth
+        mask ^= low

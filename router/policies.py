@@ -1,0 +1,196 @@
+"""Routing policies: one small interface, chosen by name.
+
+A policy sees the eligible replicas (healthy, serving the model, not excluded) with their
+load and matched prefix depth, and returns one of them with a short reason. Policies
+never depend on the order of the candidate list: ties go to the conversation ring, to
+load, or to the seeded random generator.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import ClassVar, NamedTuple
+
+from router.config import RouterConfig
+from router.ring import Ring
+
+
+class Candidate(NamedTuple):
+    replica_id: str
+    load: int
+    matched: int  # leading blocks of the request this replica holds
+
+
+class RouteInput(NamedTuple):
+    candidates: Sequence[Candidate]  # non-empty
+    total_blocks: int
+    conversation_key: str | None
+    first_key: bytes | None  # the request's first block key (short), when it has one
+
+
+class Choice(NamedTuple):
+    replica_id: str
+    reason: str
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: RouterConfig, ring: Ring, rng: random.Random) -> None:
+        self.config = config
+        self.ring = ring
+        self.rng = rng
+
+    @abstractmethod
+    def choose(self, request: RouteInput) -> Choice: ...
+
+    # shared helpers ------------------------------------------------------------------
+
+    def load_bound(self, candidates: Sequence[Candidate]) -> int:
+        """Most requests a replica may hold after taking this one (bounded load)."""
+        total = sum(c.load for c in candidates) + 1
+        share = (1 + self.config.load_slack) * total / len(candidates)
+        return math.ceil(share) + self.config.load_abs_slack
+
+    def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
+        low = min(c.load for c in candidates)
+        return self.rng.choice([c for c in candidates if c.load == low])
+
+    def two_choices(self, candidates: Sequence[Candidate]) -> Candidate:
+        if len(candidates) <= 2:
+            return self.least_loaded(candidates)
+        return self.least_loaded(self.rng.sample(list(candidates), 2))
+
+    def ring_key(self, request: RouteInput) -> str | None:
+        if request.conversation_key is not None:
+            return request.conversation_key
+        return request.first_key.hex() if request.first_key is not None else None
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, config: RouterConfig, ring: Ring, rng: random.Random) -> None:
+        super().__init__(config, ring, rng)
+        self.turn = 0
+
+    def choose(self, request: RouteInput) -> Choice:
+        ordered = sorted(request.candidates, key=lambda c: c.replica_id)
+        self.turn += 1
+        return Choice(ordered[(self.turn - 1) % len(ordered)].replica_id, "round_robin")
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def choose(self, request: RouteInput) -> Choice:
+        return Choice(self.rng.choice(list(request.candidates)).replica_id, "random")
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def choose(self, request: RouteInput) -> Choice:
+        return Choice(self.least_loaded(request.candidates).replica_id, "least_loaded")
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def choose(self, request: RouteInput) -> Choice:
+        return Choice(self.two_choices(request.candidates).replica_id, "least_loaded")
+
+
+class ConsistentHash(Policy):
+    """Ring keyed by the conversation (else the first block); skips overloaded nodes."""
+
+    name = "consistent_hash"
+
+    def choose(self, request: RouteInput) -> Choice:
+        key = self.ring_key(request)
+        if key is None:
+            return Choice(self.two_choices(request.candidates).replica_id, "least_loaded")
+        return ring_choice(self, request.candidates, key)
+
+
+def ring_choice(policy: Policy, candidates: Sequence[Candidate], key: str) -> Choice:
+    by_id = {c.replica_id: c for c in candidates}
+    bound = policy.load_bound(candidates)
+    first: str | None = None
+    for replica_id in policy.ring.walk(key):
+        cand = by_id.get(replica_id)
+        if cand is None:
+            continue
+        if cand.load + 1 <= bound:
+            return Choice(replica_id, "ring" if first is None else "ring_skip_overloaded")
+        first = first or replica_id
+    # Every candidate is over the bound (or not on the ring): the least loaded one.
+    return Choice(policy.least_loaded(candidates).replica_id, "least_loaded")
+
+
+class CacheAware(Policy):
+    """Longest cached prefix wins unless its replica is over the bounded-load share.
+
+    1. Replicas that could take one more request without exceeding the bound are
+       "open" (``load + 1 <= ceil((1+ε)·(total+1)/n) + abs_slack``).
+    2. Among open replicas the longest match wins if it is useful (≥ min_match_blocks).
+       If a longer match sat on an overloaded replica, the reason is
+       ``overload_fallback``: the chosen replica computes the prefix and then holds it
+       too, so a hot prefix spreads over replicas instead of piling onto one.
+    3. Ties: the conversation ring (affinity that every gateway agrees on), else the
+       least loaded, else the seeded random generator — never list order.
+    4. No useful match anywhere: the conversation ring with bounded load when there is
+       a conversation key, else the least loaded of two random choices.
+    """
+
+    name = "cache_aware"
+
+    def choose(self, request: RouteInput) -> Choice:
+        candidates = request.candidates
+        best = max(c.matched for c in candidates)
+        if best < self.config.min_match_blocks:
+            if request.conversation_key is not None:
+                return ring_choice(self, candidates, request.conversation_key)
+            return Choice(self.two_choices(candidates).replica_id, "least_loaded")
+        bound = self.load_bound(candidates)
+        open_ = [c for c in candidates if c.load + 1 <= bound]
+        if not open_:  # only when abs_slack is 0 and loads are equal: nobody is special
+            open_ = list(candidates)
+        top = max(c.matched for c in open_)
+        if top < self.config.min_match_blocks:
+            return Choice(self.tie_break(open_, request).replica_id, "overload_fallback")
+        tied = [c for c in open_ if c.matched == top]
+        chosen = self.tie_break(tied, request)
+        if top < best:
+            return Choice(chosen.replica_id, "overload_fallback")
+        return Choice(chosen.replica_id, f"prefix_match {top}/{request.total_blocks} blocks")
+
+    def tie_break(self, tied: Sequence[Candidate], request: RouteInput) -> Candidate:
+        if len(tied) == 1:
+            return tied[0]
+        if request.conversation_key is not None:
+            ranked = self.ring.rank(request.conversation_key, {c.replica_id for c in tied})
+            if ranked is not None:
+                return next(c for c in tied if c.replica_id == ranked)
+        return self.least_loaded(tied)
+
+
+POLICIES: Mapping[str, type[Policy]] = MappingProxyType(
+    {
+        cls.name: cls
+        for cls in (RoundRobin, RandomPolicy, LeastLoaded, PowerOfTwo, ConsistentHash, CacheAware)
+    }
+)
+
+
+def make_policy(name: str, config: RouterConfig, ring: Ring, rng: random.Random) -> Policy:
+    try:
+        return POLICIES[name](config, ring, rng)
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None

@@ -1,0 +1,279 @@
+"""The router facade the gateway and the simulator use: replicas in, one decision out.
+
+State: replica views (address, load, breaker), the prefix index, the conversation ring,
+and per replica the sequence number of the last block event applied. Decisions are
+synchronous and cheap (no I/O); router/sync.py feeds events, snapshots, loads and other
+gateways' hints in from Redis.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from router.config import RouterConfig
+from router.health import CircuitBreaker
+from router.index import PrefixIndex
+from router.load import LoadTracker
+from router.policies import Candidate, RouteInput, make_policy
+from router.protocol import SHORT_KEY_BYTES, BlockEvent, ReplicaLoad, RoutedHint, Snapshot
+from router.ring import Ring
+
+RoutedHook = Callable[[str, list[bytes]], None]
+
+
+class NoHealthyReplica(RuntimeError):
+    """No replica is healthy, serves the model and is not excluded."""
+
+
+class Decision(NamedTuple):
+    replica_id: str
+    reason: str  # "prefix_match 112/128 blocks", "ring", "overload_fallback", "least_loaded", ...
+    matched_blocks: int
+    total_blocks: int
+
+
+@dataclass(slots=True)
+class ReplicaView:
+    replica_id: str
+    url: str
+    model: str
+    block_size: int
+    static: bool
+    breaker: CircuitBreaker
+    load: LoadTracker = field(default_factory=LoadTracker)
+    last_seen: float = 0.0  # last registry record / heartbeat (discovered replicas)
+    ttl_s: float = 15.0
+    publishes_events: bool = False  # seen an event or snapshot: optimistic inserts expire
+    last_seq: int | None = None  # last block event folded into the index
+
+    @property
+    def expired(self) -> bool:
+        return not self.static and self.breaker.clock() - self.last_seen > self.ttl_s
+
+    @property
+    def healthy(self) -> bool:
+        return not self.expired and self.breaker.allows()
+
+    @property
+    def in_flight(self) -> int:
+        return self.load.in_flight
+
+    @property
+    def reported(self) -> ReplicaLoad | None:
+        return self.load.reported
+
+    @property
+    def breaker_state(self) -> str:
+        return self.breaker.state
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.model or self.model == model
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        policy: str = "cache_aware",
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+    ) -> None:
+        self.config = config or RouterConfig()
+        self.clock = clock
+        self.ring = Ring(self.config.ring_vnodes)
+        self.policy = make_policy(policy, self.config, self.ring, random.Random(seed))
+        self.index = PrefixIndex(self.config.max_blocks_per_replica)
+        self._replicas: dict[str, ReplicaView] = {}
+        self._hooks: list[RoutedHook] = []
+        self._decisions: Counter[str] = Counter()
+        self._expired_optimistic = 0
+        self._resyncs = 0
+
+    # ----------------------------------------------------------------------- replicas
+
+    def add_replica(
+        self,
+        replica_id: str,
+        url: str,
+        model: str = "",
+        block_size: int = 16,
+        *,
+        static: bool = False,
+    ) -> None:
+        """Add a replica, or refresh its address/model and heartbeat if already known."""
+        view = self._replicas.get(replica_id)
+        if view is None:
+            breaker = CircuitBreaker(
+                self.config.breaker_failures, self.config.breaker_cooldown_s, self.clock
+            )
+            view = ReplicaView(
+                replica_id, url, model, block_size, static, breaker, ttl_s=self.config.replica_ttl_s
+            )
+            self._replicas[replica_id] = view
+            self.ring.add(replica_id)
+        view.url, view.model, view.block_size = url, model, block_size
+        view.static = view.static or static
+        view.last_seen = self.clock()
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget the replica: it leaves the ring and the index."""
+        self._replicas.pop(replica_id, None)
+        self.ring.remove(replica_id)
+        self.index.drop_replica(replica_id)
+
+    @property
+    def replicas(self) -> dict[str, ReplicaView]:
+        return dict(self._replicas)
+
+    # ----------------------------------------------------------------------- decisions
+
+    def route(
+        self,
+        keys: Sequence[bytes],
+        conversation_key: str | None = None,
+        *,
+        model: str | None = None,
+        exclude: Collection[str] = (),
+    ) -> Decision:
+        short = [k[:SHORT_KEY_BYTES] for k in keys]
+        views = [
+            v
+            for v in self._replicas.values()
+            if v.replica_id not in exclude and v.serves(model) and v.healthy
+        ]
+        if not views:
+            raise NoHealthyReplica(
+                f"no healthy replica for model {model!r}"
+                + (f" (excluded: {sorted(exclude)})" if exclude else "")
+            )
+        matches = self.index.match(short)
+        candidates = [
+            Candidate(v.replica_id, v.load.load, matches.get(v.replica_id, 0)) for v in views
+        ]
+        request = RouteInput(candidates, len(short), conversation_key, short[0] if short else None)
+        choice = self.policy.choose(request)
+        chosen = self._replicas[choice.replica_id]
+        chosen.breaker.on_dispatch()
+        if short:
+            self.index.insert(
+                chosen.replica_id,
+                short,
+                tentative_until=self.clock() + self.config.optimistic_ttl_s,
+            )
+        self._decisions[choice.reason.split(" ", 1)[0]] += 1
+        for hook in self._hooks:
+            hook(chosen.replica_id, short)
+        return Decision(
+            choice.replica_id, choice.reason, matches.get(choice.replica_id, 0), len(short)
+        )
+
+    def add_routed_hook(self, hook: RoutedHook) -> None:
+        self._hooks.append(hook)
+
+    # ----------------------------------------------------------------------- load, health
+
+    def request_started(self, replica_id: str) -> None:
+        view = self._replicas.get(replica_id)
+        if view is not None:
+            view.load.started()
+
+    def request_finished(self, replica_id: str, *, ok: bool) -> None:
+        view = self._replicas.get(replica_id)
+        if view is not None:
+            view.load.finished()
+            view.breaker.record(ok)
+
+    def report_probe(self, replica_id: str, ok: bool) -> None:
+        view = self._replicas.get(replica_id)
+        if view is not None:
+            view.breaker.record(ok)
+
+    def update_load(self, replica_id: str, load: ReplicaLoad) -> None:
+        """A heartbeat: the replica's reported load; also refreshes its registry age."""
+        view = self._replicas.get(replica_id)
+        if view is not None:
+            view.load.report(load, self.clock())
+            view.last_seen = self.clock()
+
+    # ----------------------------------------------------------------------- index feed
+
+    def apply_event(self, replica_id: str, event: BlockEvent) -> bool:
+        """Fold one block event in; False on a sequence gap (the caller resyncs)."""
+        view = self._replicas.get(replica_id)
+        if view is None:
+            return True
+        if view.last_seq is not None:
+            if event.seq <= view.last_seq:
+                return True  # already folded in (e.g. via the snapshot)
+            if event.seq != view.last_seq + 1:
+                self._resyncs += 1
+                return False
+        if event.type == "stored":
+            self.index.insert(replica_id, event.keys)
+        elif event.type == "removed":
+            self.index.remove(replica_id, event.keys)
+        else:
+            self.index.clear(replica_id)
+        view.last_seq = event.seq
+        view.publishes_events = True
+        return True
+
+    def apply_snapshot(self, replica_id: str, snapshot: Snapshot) -> None:
+        """Replace the replica's view with its snapshot (as of event ``snapshot.seq``)."""
+        view = self._replicas.get(replica_id)
+        if view is None:
+            return
+        self.index.clear(replica_id)
+        for block in snapshot.blocks:
+            self.index.insert(replica_id, (block.key,))
+        view.last_seq = snapshot.seq
+        view.publishes_events = True
+
+    def apply_hint(self, hint: RoutedHint) -> None:
+        """Another gateway's optimistic insert."""
+        if hint.replica_id in self._replicas and hint.keys:
+            deadline = self.clock() + self.config.optimistic_ttl_s
+            self.index.insert(hint.replica_id, hint.keys, tentative_until=deadline)
+
+    def sweep(self) -> None:
+        """Background maintenance: drop optimistic inserts no event confirmed in time."""
+        now = self.clock()
+        for view in self._replicas.values():
+            if view.publishes_events:
+                self._expired_optimistic += self.index.expire(view.replica_id, now)
+
+    # ----------------------------------------------------------------------- introspection
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "decisions": dict(self._decisions),
+            "index_blocks": len(self.index),
+            "expired_optimistic": self._expired_optimistic,
+            "sequence_gaps": self._resyncs,
+            "replicas": {
+                rid: {
+                    "healthy": v.healthy,
+                    "breaker": v.breaker_state,
+                    "in_flight": v.in_flight,
+                    "load": v.load.load,
+                    "blocks": self.index.blocks(rid),
+                    "optimistic_blocks": self.index.tentative_blocks(rid),
+                    "last_seq": v.last_seq,
+                }
+                for rid, v in self._replicas.items()
+            },
+        }
+
+    def check_invariants(self) -> None:
+        self.index.check_invariants()
+        assert set(self.index.replica_ids) <= set(self._replicas)
+        assert all(rid in self.ring for rid in self._replicas)
+        for view in self._replicas.values():
+            view.breaker.check_invariants()
+            assert view.load.in_flight >= 0
