@@ -1,0 +1,168 @@
+"""A stack of child processes started, watched and stopped together (``prefixgate up``).
+
+Every child runs in its own process group and writes to its own log in the run
+directory. Signals only set ``Stack.stop_signal``, which the polling loops read, so a
+stop never interrupts a half-started child and leaves it behind; ``stop_all`` then ends
+every group (SIGTERM, SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from prefixgate.procs import free_port, http_ok
+
+POLL_S = 0.1  # how often the readiness and supervision loops look at the children
+PROGRESS_S = 10.0  # how often a long wait says what it is still waiting for
+LOG_TAIL_LINES = 30
+PIDS_FILE = "pids"
+
+
+@dataclass(slots=True)
+class Child:
+    """One process the stack started and must stop."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    port: int
+
+
+@dataclass(slots=True)
+class Stack:
+    """Every child, in start order, and whether a signal asked to stop."""
+
+    run_dir: Path
+    env: dict[str, str]  # the environment every child gets
+    children: list[Child] = field(default_factory=list)
+    stop_signal: str | None = None
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_signal = signal.Signals(signum).name
+
+    def start(self, name: str, cmd: list[str], port: int) -> Child:
+        log_path = self.run_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,  # Ctrl-C reaches `up` only; `up` stops the children
+            )
+        child = Child(name, proc, log_path, port)
+        self.add(child)
+        return child
+
+    def add(self, child: Child) -> None:
+        self.children.append(child)
+        # Rewritten after every start, so whoever inspects a run finds every live pid.
+        lines = [f"{c.name} {c.proc.pid} {c.port}\n" for c in self.children]
+        (self.run_dir / PIDS_FILE).write_text("".join(lines))
+
+    def first_dead(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def wait_ready(self, health_urls: dict[str, str], timeout_s: float) -> bool:
+        """Poll each named child's URL until all answer 2xx.
+
+        False as soon as a child dies (its log tail is printed), a signal arrives, or
+        ``timeout_s`` passes.
+        """
+        pending = dict(health_urls)
+        started = time.monotonic()
+        next_progress = started + PROGRESS_S
+        while True:
+            elapsed = time.monotonic() - started
+            for name, url in list(pending.items()):
+                if http_ok(url, timeout=1.0):
+                    print(f"  {name} ready after {elapsed:.1f} s", flush=True)
+                    del pending[name]
+            if not pending:
+                return True
+            if self.stop_signal is not None:
+                return False
+            dead = self.first_dead()
+            if dead is not None:
+                report_death(dead)
+                return False
+            if elapsed > timeout_s:
+                print(f"prefixgate up: not ready after {timeout_s:.0f} s: {', '.join(pending)}")
+                for child in self.children:
+                    if child.name in pending:
+                        print(f"--- last lines of {child.log_path} ---\n{log_tail(child.log_path)}")
+                return False
+            if time.monotonic() >= next_progress:
+                print(f"  waiting for {', '.join(pending)} ({elapsed:.0f} s)", flush=True)
+                next_progress += PROGRESS_S
+            time.sleep(POLL_S)
+
+    def supervise(self) -> int:
+        """Until a signal (0) or the death of any child (1, with its log tail printed)."""
+        while self.stop_signal is None:
+            dead = self.first_dead()
+            if dead is not None:
+                report_death(dead)
+                return 1
+            time.sleep(POLL_S)
+        print(f"\nprefixgate up: {self.stop_signal}: stopping {len(self.children)} processes…")
+        return 0
+
+    def stop_all(self, grace_s: float) -> None:
+        """SIGTERM every child's group at once (last started first); SIGKILL after grace_s."""
+        live = [c for c in reversed(self.children) if c.proc.poll() is None]
+        for c in live:
+            kill_group(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"prefixgate up: {c.name} ignored SIGTERM; killing it", file=sys.stderr)
+                kill_group(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(timeout=5)
+        # A child's own children share its group; sweep any that outlived their leader.
+        for c in self.children:
+            kill_group(c.proc.pid, signal.SIGKILL)
+
+
+def kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def report_death(child: Child) -> None:
+    print(
+        f"prefixgate up: {child.name} (pid {child.proc.pid}) exited with code "
+        f"{child.proc.returncode}\n--- last lines of {child.log_path} ---\n"
+        f"{log_tail(child.log_path)}\n---",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def pick_ports(count: int, taken: set[int]) -> list[int]:
+    """``count`` distinct free loopback ports, none of them in ``taken``."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in taken and port not in ports:
+            ports.append(port)
+    return ports

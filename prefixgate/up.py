@@ -1,0 +1,245 @@
+"""``prefixgate up``: a whole local cluster in one command.
+
+Starts an embedded Redis (unless ``--redis-url``), N replicas and one gateway as child
+processes of a ``Stack`` (prefixgate/stack.py); waits for them by polling their health
+endpoints; prints how to talk to the gateway; then supervises until Ctrl-C or SIGTERM,
+or until a child dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from prefixgate.models import DEFAULT_MODEL, model_dir
+from prefixgate.procs import ChildDied, port_is_free, start_redis
+from prefixgate.stack import Child, Stack, pick_ports, report_death
+
+
+def connect_host(host: str) -> str:
+    """Where local clients reach a server bound to ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def replica_device(device: str, index: int) -> str:
+    """``cuda`` gives replica i the GPU i; ``cpu`` and ``cuda:N`` are used as given."""
+    return f"cuda:{index}" if device == "cuda" else device
+
+
+def model_needs_conversion(model: str) -> bool:
+    """True when ``model`` is the GGUF-shipped default and its converted folder is missing."""
+    return model == DEFAULT_MODEL and not model_dir(model).is_dir()
+
+
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.device == "cpu" and "OMP_NUM_THREADS" not in env:
+        # N CPU replicas each using every core would thrash; split the cores between them.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.replicas))
+    return env
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: str) -> list[str]:
+    url = f"http://{connect_host(args.host)}:{port}"
+    cmd = [sys.executable, "-m", "prefixgate", "replica", "--model", args.model]
+    cmd += ["--host", args.host, "--port", str(port)]
+    cmd += ["--device", replica_device(args.device, index)]
+    cmd += ["--redis-url", redis_url, "--replica-id", f"replica-{index}", "--advertise-url", url]
+    if args.kv_cache_mb is not None:
+        cmd += ["--kv-cache-mb", str(args.kv_cache_mb)]
+    if args.num_blocks is not None:
+        cmd += ["--num-blocks", str(args.num_blocks)]
+    return cmd
+
+
+def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url: str) -> list[str]:
+    cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", args.model]
+    cmd += ["--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
+    for url in replica_urls:
+        cmd += ["--replica", url]
+    if args.policy is not None:
+        cmd += ["--policy", args.policy]
+    if args.api_keys is not None:
+        cmd += ["--api-keys", str(args.api_keys)]
+    return cmd
+
+
+def banner(args: argparse.Namespace, base_url: str) -> str:
+    key = f"<a key from {args.api_keys}>" if args.api_keys is not None else "none"
+    message = '[{"role": "user", "content": "Hello!"}]'
+    create = f'client.chat.completions.create(model="{args.model}", messages={message})'
+    body = f'{{"model": "{args.model}", "messages": {message}}}'
+    return f"""
+prefixgate is up: {args.replicas} × {args.model} behind one gateway.
+
+  base_url  {base_url}
+
+  curl {base_url}/chat/completions -H 'Authorization: Bearer {key}' \\
+       -H 'Content-Type: application/json' -d '{body}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{base_url}", api_key="{key}")
+  print({create}.choices[0].message.content)
+
+  prefixgate chat "Hello!" --base-url {base_url}
+  (run it twice: the second answer reports cached prompt tokens)
+
+logs in {args.run_dir}/ · Ctrl-C stops everything
+"""
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run(stack: Stack, args: argparse.Namespace) -> int:
+    host = connect_host(args.host)
+    fixed = [args.port]
+    if args.replica_base_port is not None:
+        fixed += [args.replica_base_port + i for i in range(args.replicas)]
+    busy = [p for p in fixed if not port_is_free(p, host)]
+    if busy:
+        print(f"prefixgate up: port(s) {busy} already in use; choose others", file=sys.stderr)
+        return 1
+    replica_ports = fixed[1:] or pick_ports(args.replicas, taken={args.port})
+
+    redis_url = args.redis_url
+    if redis_url is None:
+        (redis_port,) = pick_ports(1, taken={args.port, *replica_ports})
+        redis_log = stack.run_dir / "redis.log"
+        proc = start_redis(redis_port, stack.run_dir / "redis", log_path=redis_log)
+        stack.add(Child("redis", proc, redis_log, redis_port))
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        print(f"  redis ready at {redis_url}", flush=True)
+
+    replica_urls = [f"http://{host}:{p}" for p in replica_ports]
+    for i, port in enumerate(replica_ports):
+        stack.start(f"replica-{i}", replica_command(args, i, port, redis_url), port)
+    # Started alongside the replicas, so that its start-up overlaps their model loading.
+    stack.start("gateway", gateway_command(args, replica_urls, redis_url), args.port)
+    print(f"  started {args.replicas} replica(s) of {args.model} and the gateway", flush=True)
+    if model_needs_conversion(args.model):
+        print(f"  converting {args.model} to safetensors (first start only)…", flush=True)
+
+    gateway_url = f"http://{host}:{args.port}"
+    health = {f"replica-{i}": f"{url}/health" for i, url in enumerate(replica_urls)}
+    if not stack.wait_ready(health, args.ready_timeout_s):
+        return 0 if stack.stop_signal is not None else 1
+    if not stack.wait_ready({"gateway": f"{gateway_url}/ready"}, args.ready_timeout_s):
+        return 0 if stack.stop_signal is not None else 1
+    print(banner(args, f"{gateway_url}/v1"), flush=True)
+    (stack.run_dir / "ready").write_text(f"{gateway_url}/v1\n")
+    return stack.supervise()
+
+
+# --------------------------------------------------------------------------- command line
+
+DESCRIPTION = """\
+Start a local prefixgate cluster: an embedded Redis (no persistence; skipped with
+--redis-url), N replicas and one gateway, each a child process with its own log in the
+run directory. Waits until every replica's /health and the gateway's /ready answer, then
+prints the base_url and how to call it. Ctrl-C or SIGTERM stops every child (SIGTERM,
+then SIGKILL after --stop-grace-s). If a child dies, its log tail is printed, the rest
+are stopped and `up` exits with 1.
+
+The run directory holds redis.log, replica-<i>.log, gateway.log, `pids` (name pid port
+per line) and `ready` (the base_url, written once the cluster serves). Children inherit
+the environment, so PREFIXGATE_* variables reach them (e.g. PREFIXGATE_CACHE, where
+smollm2-135m is converted to safetensors on first start).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixgate up",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = p.add_argument
+    add("--replicas", metavar="N", type=int, default=2, help="number of replicas (default 2)")
+    add(
+        "--model",
+        metavar="NAME",
+        default=DEFAULT_MODEL,
+        help=f"model every replica serves: {DEFAULT_MODEL} (default), tiny-random, "
+        "or a local Hugging Face model folder",
+    )
+    add(
+        "--device",
+        metavar="DEV",
+        default="cpu",
+        help="cpu (default); cuda gives replica i the GPU i; cuda:N puts every replica on GPU N",
+    )
+    add("--host", metavar="ADDR", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    add("--port", metavar="PORT", type=int, default=8000, help="gateway port (default 8000)")
+    add(
+        "--replica-base-port",
+        metavar="P",
+        type=int,
+        default=None,
+        help="replica i listens on P+i (default: free ports)",
+    )
+    add("--redis-url", metavar="URL", default=None, help="use this Redis; no embedded one")
+    add("--policy", metavar="NAME", default=None, help="gateway routing policy (its default)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--kv-cache-mb", metavar="MB", type=int, help="KV pool per replica")
+    budget.add_argument("--num-blocks", metavar="N", type=int, help="KV blocks per replica")
+    add("--api-keys", metavar="FILE", type=Path, help="gateway API key file (default: no auth)")
+    add("--run-dir", metavar="DIR", type=Path, help="logs and pids (default ./runs/<timestamp>)")
+    add(
+        "--ready-timeout-s",
+        metavar="S",
+        type=float,
+        default=600.0,
+        help="give up when not ready after S seconds (default 600)",
+    )
+    add(
+        "--stop-grace-s",
+        metavar="S",
+        type=float,
+        default=10.0,
+        help="SIGKILL children still running S seconds after SIGTERM (default 10)",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
+        parser.error(f"--device must be cpu, cuda or cuda:N, not {args.device!r}")
+    if args.api_keys is not None and not args.api_keys.is_file():
+        parser.error(f"--api-keys {args.api_keys}: no such file")
+    if args.run_dir is None:
+        args.run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(run_dir=args.run_dir, env=child_env(args))
+    previous = {s: signal.signal(s, stack.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    print(f"prefixgate up: logs in {args.run_dir}/", flush=True)
+    try:
+        return run(stack, args)
+    except (ChildDied, TimeoutError, OSError) as exc:
+        print(f"prefixgate up: {exc}", file=sys.stderr)
+        dead = stack.first_dead()
+        if dead is not None:
+            report_death(dead)
+        return 1
+    finally:
+        # Signals keep setting the flag (never raising) while the children are stopped.
+        stack.stop_all(args.stop_grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print("prefixgate up: all processes stopped", flush=True)
