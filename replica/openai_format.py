@@ -1,0 +1,157 @@
+"""OpenAI response bodies and stream chunks, built from plain values. Torch-free.
+
+The shapes are the ones the official ``openai`` client parses: ``chat.completion``,
+``chat.completion.chunk``, ``text_completion``; every ``usage`` carries
+``prompt_tokens_details.cached_tokens`` (see ``prefixgate.wire.usage``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from prefixgate.wire import usage
+
+
+@dataclass(slots=True, frozen=True)
+class Choice:
+    """One finished choice: its index, text and why it stopped."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def new_id(prefix: str) -> str:
+    """``chatcmpl-…`` / ``cmpl-…``: unique per response, like OpenAI's."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def chat_completion(
+    id_: str, model: str, created: int, choices: Sequence[Choice], use: Usage
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": use.as_dict(),
+    }
+
+
+def chat_chunk(
+    id_: str,
+    model: str,
+    created: int,
+    index: int,
+    *,
+    content: str | None = None,
+    role: str | None = None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    return {
+        "id": id_,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def text_completion(
+    id_: str, model: str, created: int, choices: Sequence[Choice], use: Usage
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            for c in choices
+        ],
+        "usage": use.as_dict(),
+    }
+
+
+def text_chunk(
+    id_: str, model: str, created: int, index: int, text: str, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def usage_chunk(id_: str, model: str, created: int, object_: str, use: Usage) -> dict[str, Any]:
+    """The last chunk under ``stream_options.include_usage``: no choices, only usage."""
+    return {
+        "id": id_,
+        "object": object_,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": use.as_dict(),
+    }
+
+
+def model_list(model_ids: Sequence[str], created: int, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": m,
+                "object": "model",
+                "created": created,
+                "owned_by": "prefixgate",
+                "max_model_len": max_model_len,
+            }
+            for m in model_ids
+        ],
+    }
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event: ``data: {json}\\n\\n``."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

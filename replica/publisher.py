@@ -1,0 +1,324 @@
+"""Tells the gateways, through Redis, what this replica's cache holds and how loaded it is.
+
+Layout and codec: ``router.protocol``. Three things are written:
+
+* the registry record (``replica_info_key``), refreshed every heartbeat with an expiry,
+  so a replica that dies disappears on its own;
+* block events (``events_stream_key``), a capped stream, ``seq`` growing by one per event;
+* a snapshot (``snapshot_key``) whose ``seq`` is the last event folded into it.
+
+The cache calls ``on_stored`` / ``on_removed`` / ``on_cleared`` from the engine thread.
+Under one lock they assign the event's ``seq``, update a mirror of the cached keys
+(short key → parent) and queue the event. Snapshots are taken from that mirror under the
+same lock, so a snapshot and its ``seq`` always agree, without reading the cache from a
+second thread. One asyncio task writes snapshots and events (in that order of need);
+another heartbeats. Redis is an accelerator, never a dependency: when it is down, events
+are dropped (readers see a seq gap and resync from the snapshot, which is the contract),
+the replica keeps serving, the outage is logged once, and a fresh snapshot is written as
+soon as Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from router.protocol import (
+    REPLICAS_SET,
+    BlockEvent,
+    ReplicaInfo,
+    ReplicaLoad,
+    SnapshotBlock,
+    encode_snapshot,
+    events_stream_key,
+    replica_info_key,
+    short_key,
+    snapshot_key,
+)
+
+log = logging.getLogger("prefixgate.replica.publisher")
+
+_REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(slots=True)
+class PublisherConfig:
+    redis_url: str
+    replica_id: str
+    url: str  # what gateways call (the advertised URL)
+    model: str
+    block_size: int
+    heartbeat_s: float = 1.0
+    info_ttl_s: float = 5.0
+    snapshot_interval_s: float = 5.0
+    stream_maxlen: int = 100_000
+    batch_size: int = 512
+    min_backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+    redis_timeout_s: float = 1.0
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    seq: int = 0
+    events_published: int = 0
+    events_dropped: int = 0
+    snapshots_written: int = 0
+    heartbeats: int = 0
+    outages: int = 0
+    connected: bool = False
+
+
+class Publisher:
+    """A ``CacheListener`` that mirrors the cache's keys and publishes them to Redis."""
+
+    def __init__(self, config: PublisherConfig) -> None:
+        self.config = config
+        self._load: Callable[[], ReplicaLoad] = ReplicaLoad  # until start() gets the engine's
+        self._lock = threading.Lock()
+        # Guarded by _lock: the event counter, the key mirror, the queue to Redis.
+        self._seq = 0
+        self._mirror: dict[bytes, bytes | None] = {}  # short key → short parent
+        self._pending: deque[BlockEvent] = deque()
+        self._need_snapshot = True
+        self._seq_at_snapshot = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._redis: aioredis.Redis | None = None
+        self._first_write = True  # the first snapshot also drops a previous life's stream
+        self._in_outage = False
+        self.stats = PublisherStats()
+
+    # ------------------------------------------------------------- engine thread (listener)
+
+    def on_stored(self, parent: bytes | None, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        shorts = tuple(short_key(k) for k in keys)
+        first_parent = short_key(parent) if parent is not None else None
+        with self._lock:
+            prev = first_parent
+            for k in shorts:
+                self._mirror[k] = prev
+                prev = k
+            self._enqueue(BlockEvent(self._next_seq(), "stored", shorts, first_parent))
+
+    def on_removed(self, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        shorts = tuple(short_key(k) for k in keys)
+        with self._lock:
+            for k in shorts:
+                self._mirror.pop(k, None)
+            self._enqueue(BlockEvent(self._next_seq(), "removed", shorts))
+
+    def on_cleared(self) -> None:
+        with self._lock:
+            self._mirror.clear()
+            self._enqueue(BlockEvent(self._next_seq(), "cleared"))
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        self.stats.seq = self._seq
+        return self._seq
+
+    def _enqueue(self, event: BlockEvent) -> None:
+        self._pending.append(event)
+        if len(self._pending) == 1 and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    # ------------------------------------------------------------- snapshot (any thread)
+
+    def snapshot(self) -> tuple[int, list[SnapshotBlock]]:
+        """The mirror as (seq, blocks with parents before children)."""
+        with self._lock:
+            seq = self._seq
+            mirror = dict(self._mirror)
+        out: list[SnapshotBlock] = []
+        emitted: set[bytes] = set()
+        for key in mirror:
+            path: list[bytes] = []
+            k: bytes | None = key
+            # Walk up to the first ancestor already emitted (or outside the cache).
+            while k is not None and k in mirror and k not in emitted and k not in path:
+                path.append(k)
+                k = mirror[k]
+            for node in reversed(path):
+                out.append(SnapshotBlock(mirror[node], node))
+                emitted.add(node)
+        return seq, out
+
+    def cached_keys(self) -> set[bytes]:
+        with self._lock:
+            return set(self._mirror)
+
+    # ------------------------------------------------------------- asyncio side
+
+    async def start(self, load: Callable[[], ReplicaLoad]) -> None:
+        """Begin publishing; ``load`` reports the engine's load for each heartbeat."""
+        self._load = load
+        self._loop = asyncio.get_running_loop()
+        self._redis = aioredis.Redis.from_url(
+            self.config.redis_url,
+            socket_timeout=self.config.redis_timeout_s,
+            socket_connect_timeout=self.config.redis_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # we back off ourselves, without blocking writes
+        )
+        self._wake.set()
+        self._tasks = [
+            asyncio.create_task(self._write_loop(), name="publisher-writes"),
+            asyncio.create_task(self._heartbeat_loop(), name="publisher-heartbeat"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop the tasks and deregister (best effort: the expiry covers a failure)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._redis is not None:
+            with contextlib.suppress(*_REDIS_ERRORS):
+                await self._redis.delete(replica_info_key(self.config.replica_id))
+            await self._redis.aclose()
+            self._redis = None
+
+    async def _write_loop(self) -> None:
+        backoff = self.config.min_backoff_s
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._has_work():
+                try:
+                    await self._write_once()
+                    self._mark_up()
+                    backoff = self.config.min_backoff_s
+                except _REDIS_ERRORS as exc:
+                    self._mark_down(exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(2 * backoff, self.config.max_backoff_s)
+
+    def _has_work(self) -> bool:
+        with self._lock:
+            return self._need_snapshot or bool(self._pending)
+
+    async def _write_once(self) -> None:
+        """Write the snapshot if one is due, else the next batch of events."""
+        assert self._redis is not None
+        with self._lock:
+            need_snapshot = self._need_snapshot
+        if need_snapshot:
+            await self._write_snapshot()
+            return
+        with self._lock:
+            n = min(len(self._pending), self.config.batch_size)
+            batch = [self._pending.popleft() for _ in range(n)]
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            stream = events_stream_key(self.config.replica_id)
+            for event in batch:
+                pipe.xadd(
+                    stream,
+                    event.encode(),  # type: ignore[arg-type]
+                    maxlen=self.config.stream_maxlen,
+                    approximate=True,
+                )
+            await pipe.execute()
+        except _REDIS_ERRORS:
+            # Lost: readers will see the gap; the next snapshot covers these events.
+            with self._lock:
+                self.stats.events_dropped += len(batch)
+                self._need_snapshot = True
+            raise
+        self.stats.events_published += len(batch)
+
+    async def _write_snapshot(self) -> None:
+        assert self._redis is not None
+        seq, blocks = self.snapshot()
+        pipe = self._redis.pipeline(transaction=True)
+        if self._first_write:
+            pipe.delete(events_stream_key(self.config.replica_id))
+        pipe.set(snapshot_key(self.config.replica_id), encode_snapshot(seq, blocks))
+        await pipe.execute()
+        self._first_write = False
+        with self._lock:
+            self._need_snapshot = False
+            self._seq_at_snapshot = seq
+            # Events up to seq are folded into the snapshot; readers skip them anyway.
+            while self._pending and self._pending[0].seq <= seq:
+                self._pending.popleft()
+        self.stats.snapshots_written += 1
+
+    async def _heartbeat_loop(self) -> None:
+        last_snapshot = time.monotonic()
+        while True:
+            try:
+                await self._heartbeat()
+                self._mark_up()
+            except _REDIS_ERRORS as exc:
+                self._mark_down(exc)
+            now = time.monotonic()
+            with self._lock:
+                behind = self._seq - self._seq_at_snapshot
+            # Refresh the snapshot while the events since it are still in the capped stream.
+            if behind and (
+                now - last_snapshot >= self.config.snapshot_interval_s
+                or behind >= self.config.stream_maxlen // 2
+            ):
+                with self._lock:
+                    self._need_snapshot = True
+                self._wake.set()
+                last_snapshot = now
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _heartbeat(self) -> None:
+        assert self._redis is not None
+        c = self.config
+        info = ReplicaInfo(
+            replica_id=c.replica_id,
+            url=c.url,
+            model=c.model,
+            block_size=c.block_size,
+            load=self._load(),
+            timestamp=time.time(),
+        )
+        ttl_ms = int(c.info_ttl_s * 1000)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.sadd(REPLICAS_SET, c.replica_id)
+        pipe.set(replica_info_key(c.replica_id), info.encode(), px=ttl_ms)
+        await pipe.execute()
+        self.stats.heartbeats += 1
+
+    def _mark_down(self, exc: BaseException) -> None:
+        with self._lock:
+            self._need_snapshot = True  # whatever we missed, a fresh snapshot repairs
+        self.stats.connected = False
+        if not self._in_outage:
+            self._in_outage = True
+            self.stats.outages += 1
+            log.warning(
+                "redis at %s unreachable (%s); serving goes on, retrying with backoff",
+                self.config.redis_url,
+                exc,
+            )
+
+    def _mark_up(self) -> None:
+        if self._in_outage:
+            self._in_outage = False
+            log.info("redis at %s is back; re-publishing a fresh snapshot", self.config.redis_url)
+            self._wake.set()
+        self.stats.connected = True

@@ -1,0 +1,225 @@
+"""The Redis publisher against a real redis-server: registry, events, snapshots, outages.
+
+The cache side is driven directly through the listener methods, from a separate thread as
+the engine does; the HTTP-level tests in test_server.py cover the whole replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+import redis
+
+from replica.publisher import Publisher, PublisherConfig
+from router.protocol import (
+    REPLICAS_SET,
+    BlockEvent,
+    ReplicaInfo,
+    ReplicaLoad,
+    decode_snapshot,
+    events_stream_key,
+    replica_info_key,
+    short_key,
+    snapshot_key,
+)
+from tests.conftest import RedisServer
+
+RID = "r-test"
+
+
+def _key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(4, "little")).digest()
+
+
+def _config(url: str, **overrides: float) -> PublisherConfig:
+    cfg = PublisherConfig(
+        redis_url=url,
+        replica_id=RID,
+        url="http://127.0.0.1:9999",
+        model="tiny-random",
+        block_size=16,
+        heartbeat_s=0.05,
+        info_ttl_s=1.0,
+        snapshot_interval_s=0.2,
+        min_backoff_s=0.02,
+        max_backoff_s=0.1,
+        redis_timeout_s=0.3,
+    )
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def _events(client: redis.Redis) -> list[BlockEvent]:
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(events_stream_key(RID))  # type: ignore[assignment]
+    return [BlockEvent.decode(fields) for _, fields in entries]
+
+
+def _in_thread(fn: Callable[[], None]) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def _run(coro: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro())  # type: ignore[arg-type]
+
+
+def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    load = ReplicaLoad(running=2, waiting=1, free_blocks=10, used_blocks=6, total_blocks=16)
+    pub = Publisher(_config(redis_server.url))
+    a, b, c, d = (_key(i) for i in range(4))
+
+    async def scenario() -> None:
+        await pub.start(lambda: load)
+        await _until(lambda: client.exists(replica_info_key(RID)) == 1)
+        info = ReplicaInfo.decode(client.get(replica_info_key(RID)))  # type: ignore[arg-type]
+        assert (info.replica_id, info.url, info.model, info.block_size) == (
+            RID,
+            "http://127.0.0.1:9999",
+            "tiny-random",
+            16,
+        )
+        assert info.load == load
+        assert client.sismember(REPLICAS_SET, RID)
+        assert 0 < client.pttl(replica_info_key(RID)) <= 1000
+
+        def engine_thread() -> None:
+            pub.on_stored(None, [a, b])
+            pub.on_stored(b, [c])
+            pub.on_removed([c])
+            pub.on_stored(a, [d])
+
+        _in_thread(engine_thread)
+        await _until(lambda: len(_events(client)) == 4)
+        events = _events(client)
+        assert [e.seq for e in events] == [1, 2, 3, 4]
+        assert events[0] == BlockEvent(1, "stored", (short_key(a), short_key(b)), None)
+        assert events[1] == BlockEvent(2, "stored", (short_key(c),), short_key(b))
+        assert events[2] == BlockEvent(3, "removed", (short_key(c),))
+        assert events[3] == BlockEvent(4, "stored", (short_key(d),), short_key(a))
+
+        # The periodic snapshot catches up with seq 4 and holds exactly a, b, d.
+        def snapshot_seq() -> int:
+            raw = client.get(snapshot_key(RID))
+            return decode_snapshot(raw).seq if raw else -1  # type: ignore[arg-type]
+
+        await _until(lambda: snapshot_seq() == 4)
+        snap = decode_snapshot(client.get(snapshot_key(RID)))  # type: ignore[arg-type]
+        assert [(blk.parent, blk.key) for blk in snap.blocks] == [
+            (None, short_key(a)),
+            (short_key(a), short_key(b)),
+            (short_key(a), short_key(d)),
+        ]
+        _in_thread(pub.on_cleared)
+        await _until(lambda: len(_events(client)) == 5)
+        assert _events(client)[-1] == BlockEvent(5, "cleared")
+        await pub.stop()
+        # Deregistered at once on a clean stop; the set keeps the id.
+        assert client.exists(replica_info_key(RID)) == 0
+
+    _run(scenario)
+
+
+def test_snapshot_orders_parents_first_after_a_parent_is_restored() -> None:
+    pub = Publisher(_config("redis://127.0.0.1:1/0"))
+    a, b, c = _key(1), _key(2), _key(3)
+    pub.on_stored(None, [a, b, c])
+    pub.on_removed([a])
+    pub.on_stored(None, [a])  # a re-enters after its children in insertion order
+    seq, blocks = pub.snapshot()
+    assert seq == 3
+    order = [blk.key for blk in blocks]
+    assert order.index(short_key(a)) < order.index(short_key(b)) < order.index(short_key(c))
+    assert {blk.key: blk.parent for blk in blocks} == {
+        short_key(a): None,
+        short_key(b): short_key(a),
+        short_key(c): short_key(b),
+    }
+
+
+def test_record_expires_when_heartbeats_stop(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    pub = Publisher(_config(redis_server.url, info_ttl_s=0.3))
+
+    async def scenario() -> None:
+        await pub.start(ReplicaLoad)
+        await _until(lambda: client.exists(replica_info_key(RID)) == 1)
+        for task in pub._tasks:  # a crash: no deregistration, only the expiry
+            task.cancel()
+        await _until(lambda: client.exists(replica_info_key(RID)) == 0, timeout=5)
+        await pub.stop()
+
+    _run(scenario)
+
+
+def test_redis_outage_keeps_accepting_events_and_resyncs(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    pub = Publisher(_config(redis_server.url))
+    keys = [_key(i) for i in range(40)]
+
+    async def scenario() -> None:
+        await pub.start(ReplicaLoad)
+        await _until(lambda: pub.stats.connected)
+        _in_thread(lambda: pub.on_stored(None, keys[:2]))
+        await _until(lambda: pub.stats.events_published == 1)
+
+        redis_server.stop()
+        with caplog.at_level(logging.WARNING, logger="prefixgate.replica.publisher"):
+            # Events keep coming while Redis is gone; nothing blocks or raises.
+            for i in range(2, 40, 2):
+                pub.on_stored(keys[i - 1], keys[i : i + 2])
+                await asyncio.sleep(0.02)
+            await _until(lambda: not pub.stats.connected)
+        outage_logs = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(outage_logs) == 1, "an outage is logged once, not per retry"
+
+        redis_server.start()  # same port, empty data
+        client = redis.Redis.from_url(redis_server.url)
+
+        def snapshot_complete() -> bool:
+            raw = client.get(snapshot_key(RID))
+            if raw is None:
+                return False
+            snap = decode_snapshot(raw)  # type: ignore[arg-type]
+            return snap.seq == pub.stats.seq and len(snap.blocks) == 40
+
+        await _until(snapshot_complete)
+        await _until(lambda: client.exists(replica_info_key(RID)) == 1)
+        assert pub.stats.outages == 1
+        # New events after the resync continue the same sequence.
+        _in_thread(lambda: pub.on_removed([keys[39]]))
+        await _until(lambda: any(e.type == "removed" for e in _events(client)))
+        assert _events(client)[-1].seq == pub.stats.seq
+        await pub.stop()
+
+    _run(scenario)
+
+
+def test_start_without_redis_does_not_fail() -> None:
+    pub = Publisher(_config("redis://127.0.0.1:1/0"))
+
+    async def scenario() -> None:
+        await pub.start(ReplicaLoad)
+        pub.on_stored(None, [_key(1)])
+        await _until(lambda: pub.stats.outages == 1)
+        assert not pub.stats.connected
+        await pub.stop()
+
+    _run(scenario)
