@@ -1,0 +1,53 @@
+"""Turning one sequence's next-token logits into a token id.
+
+Each sequence draws from its own ``torch.Generator``, so a seeded request gives the same
+tokens whatever else shares its batch, and a preempted sequence resumes the same stream.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from replica.request import SamplingParams
+
+
+def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
+    """Choice ``index``'s generator: ``seed + index`` when seeded, else a random seed.
+    Greedy sequences draw nothing, so they get None."""
+    if params.greedy:
+        return None
+    seed = params.seed + index if params.seed is not None else secrets.randbits(63)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """logits: [V] (any float dtype, any device). Greedy at temperature 0."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    # Sampling runs on CPU in float32: the generator is a CPU one, and reproducibility
+    # must not depend on the device's reduction order.
+    scores = logits.detach().to(device="cpu", dtype=torch.float32) / params.temperature
+    top_k = params.effective_top_k
+    if top_k is not None and top_k < scores.shape[0]:
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        scores = _top_p_filter(scores, params.top_p)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p``."""
+    sorted_scores, order = torch.sort(scores, descending=True)
+    probs = torch.softmax(sorted_scores, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= top_p  # the most likely token always has 0 before it
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
