@@ -78,6 +78,17 @@ def _u32le(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the bytes a block key hashes: little-endian uint32 each."""
+    return _u32le(token_ids)
+
+
+def chain_key(parent: bytes, block_bytes: bytes) -> bytes:
+    """One link of the chain: a block's key from its parent's key (or the root) and its
+    ``encode_tokens`` bytes. ``block_keys`` applies exactly this to every full block."""
+    return hashlib.sha256(parent + block_bytes).digest()
+
+
 def block_keys(
     token_ids: Sequence[int],
     block_size: int,
@@ -91,6 +102,9 @@ def block_keys(
     With ``parent`` and ``start_block`` the chain resumes mid-way: the keys of blocks
     ``start_block..`` given the key of block ``start_block - 1`` (``root`` when None).
     """
+    if start_block > 0 and parent is None:
+        # Resuming from the root would silently produce keys of a different chain.
+        raise ValueError("block_keys: start_block > 0 needs the parent key of the block before")
     data = memoryview(_u32le(token_ids))
     width = 4 * block_size
     n_full = len(token_ids) // block_size
