@@ -1,0 +1,193 @@
+"""The chat tokenizer that the gateway and the replica share. Torch-free.
+
+Block keys are hashes of token ids, so the gateway (which routes by them) and the replica
+(which caches by them) must turn a chat into exactly the same ids. Both use this class.
+It is built on the ``tokenizers`` library and jinja2 directly — importing transformers'
+tokenizers costs seconds and pulls in much of transformers — and renders chat templates
+the way ``transformers``' ``apply_chat_template`` does (same jinja environment options,
+same globals and ``tojson`` filter, special tokens as template variables), which the tests
+check id for id against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from prefixgate.models import ensure_tokenizer_dir
+from prefixgate.wire import OpenAIError
+
+# The named special tokens transformers hands to every chat template.
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class ChatTemplateError(OpenAIError):
+    """The chat template refused the conversation (its ``raise_exception``) or is missing;
+    a 400 on ``messages`` for the user."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json spells a special token as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        content = value.get("content")
+        return str(content) if content is not None else None
+    return str(value) if value is not None else None
+
+
+def _read_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {entry["name"]: entry["template"] for entry in template}
+        return named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+class ChatTokenizer:
+    """Text and chats to token ids and back, identical to the model's HF tokenizer."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        special_tokens: dict[str, str],
+        chat_template: str | None,
+        eos_token_ids: list[int],
+        name: str,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.special_tokens = special_tokens
+        self.chat_template = chat_template
+        self._template = compile_chat_template(chat_template) if chat_template else None
+        self.eos_token_ids = eos_token_ids
+        bos = special_tokens.get("bos_token")
+        self.bos_token_id: int | None = tokenizer.token_to_id(bos) if bos is not None else None
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.name = name
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ChatTokenizer:
+        """Load ``tokenizer.json``, ``tokenizer_config.json``, the chat template and the eos
+        ids (``generation_config.json`` may list several) from an HF folder."""
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        special_tokens: dict[str, str] = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            content = _token_content(config.get(name))
+            if content is not None:
+                special_tokens[name] = content
+        eos_ids: list[int] = []
+        eos = special_tokens.get("eos_token")
+        eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
+        generation = _read_json(path / "generation_config.json")
+        extra = generation.get("eos_token_id")
+        for token_id in extra if isinstance(extra, list) else [extra]:
+            if isinstance(token_id, int) and token_id not in eos_ids:
+                eos_ids.append(token_id)
+        return cls(tokenizer, special_tokens, _read_chat_template(path, config), eos_ids, path.name)
+
+    @classmethod
+    def for_model(cls, name_or_path: str) -> ChatTokenizer:
+        tokenizer = cls.from_dir(ensure_tokenizer_dir(name_or_path))
+        tokenizer.name = name_or_path
+        return tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of plain text, with whatever the tokenizer adds for plain text (as
+        transformers' ``tokenizer(text).input_ids``)."""
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True).ids
+        return ids
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of a chat, rendered as transformers renders it."""
+        if self._template is None:
+            raise ChatTemplateError(
+                f"model {self.name!r} has no chat template; use /v1/completions", param="messages"
+            )
+        try:
+            return self._template.render(
+                messages=[dict(message) for message in messages],
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.exceptions.TemplateError as error:
+            raise ChatTemplateError(
+                f"the model's chat template rejected the messages: {error}", param="messages"
+            ) from error
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Ids of a chat; the template writes its own special tokens, so none are added."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        token_id: int | None = self.tokenizer.token_to_id(token)
+        return token_id
