@@ -1,0 +1,124 @@
+"""API keys → tenants → cache salts.
+
+With an API-key file every request must carry ``Authorization: Bearer KEY``. Each key
+belongs to a tenant; the tenant's cache salt goes into the forwarded request
+(``cache_salt``) and into the routing keys, so one tenant can neither hit nor time another
+tenant's cached prefixes. A tenant with ``shared_namespace: true`` uses the empty salt
+(the namespace every open-mode request shares). In keyed mode a client-sent
+``cache_salt`` is always replaced: letting clients pick salts would let them pick another
+tenant's.
+
+The file is JSON or YAML, a mapping from key to tenant settings::
+
+    sk-team-a: {tenant: team-a}
+    sk-team-b: {tenant: team-b, cache_salt: b-2024}
+    sk-docs:   {tenant: docs, shared_namespace: true}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from prefixgate.wire import OpenAIError
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    name: str
+    cache_salt: str
+    shared_namespace: bool = False
+
+    @property
+    def salt(self) -> str:
+        """The salt used for this tenant's keys and forwarded requests."""
+        return "" if self.shared_namespace else self.cache_salt
+
+
+def derived_salt(tenant: str) -> str:
+    """A stable salt from the tenant's name, equal on every gateway that reads the file."""
+    return hashlib.sha256(b"prefixgate-tenant\x00" + tenant.encode()).hexdigest()[:32]
+
+
+def parse_api_keys(data: object) -> dict[str, Tenant]:
+    if not isinstance(data, Mapping):
+        raise ValueError("the API key file must map each key to {tenant: ...}")
+    tenants: dict[str, Tenant] = {}
+    for key, spec in data.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"API key {key!r} must be a non-empty string")
+        if isinstance(spec, str):
+            spec = {"tenant": spec}
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("tenant"), str):
+            raise ValueError(f"API key {key[:6]}…: give a tenant name (tenant: NAME)")
+        name = spec["tenant"]
+        salt = spec.get("cache_salt") or derived_salt(name)
+        shared = spec.get("shared_namespace", False)
+        if not isinstance(salt, str) or not isinstance(shared, bool):
+            raise ValueError(f"API key {key[:6]}…: cache_salt is a string, shared_namespace a bool")
+        tenants[key] = Tenant(name, salt, shared)
+    return tenants
+
+
+def load_api_keys(path: Path) -> dict[str, Tenant]:
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    return parse_api_keys(data)
+
+
+OPEN_TENANT = Tenant("default", "", shared_namespace=True)
+
+
+class Authenticator:
+    """Checks bearer keys; built without keys it is open (one shared namespace)."""
+
+    __slots__ = ("_by_digest",)
+
+    def __init__(self, keys: Mapping[str, Tenant] | None = None) -> None:
+        # Looked up by the key's digest, so lookup time says nothing about near misses.
+        self._by_digest: dict[bytes, Tenant] | None = (
+            None if keys is None else {_digest(k): t for k, t in keys.items()}
+        )
+
+    @property
+    def open(self) -> bool:
+        return self._by_digest is None
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if self._by_digest is None:
+            return OPEN_TENANT
+        if not authorization or authorization[:7].lower() != "bearer ":
+            raise _unauthorized("Missing API key: send `Authorization: Bearer YOUR_KEY`.")
+        tenant = self._by_digest.get(_digest(authorization[7:].strip()))
+        if tenant is None:
+            raise _unauthorized("Incorrect API key provided.")
+        return tenant
+
+    def forwarded_salt(self, tenant: Tenant, client_salt: str | None) -> str | None:
+        """The ``cache_salt`` the replica must see (None: send none).
+
+        Open mode keeps the client's own; keyed mode always uses the tenant's, and the
+        shared namespace sends none (the empty salt, which some servers reject as a value).
+        """
+        if self._by_digest is None:
+            return client_salt or None
+        return tenant.salt or None
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _unauthorized(message: str) -> OpenAIError:
+    return OpenAIError(
+        message,
+        status=401,
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

@@ -1,0 +1,57 @@
+"""The gateway's settings: one dataclass, filled from flags and ``PREFIXGATE_*`` env vars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from router.protocol import DEFAULT_BLOCK_SIZE
+
+POLICIES = (
+    "cache_aware",
+    "round_robin",
+    "random",
+    "least_loaded",
+    "power_of_two",
+    "consistent_hash",
+)
+
+Transport = Literal["aiohttp", "httpx"]
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Static replicas (base URLs without /v1); more may come from the Redis registry.
+    replicas: list[str] = field(default_factory=list)
+    redis_url: str | None = None
+    policy: str = "cache_aware"
+    api_keys_path: Path | None = None
+    # Model names assumed for static replicas that have not (yet) said what they serve.
+    models: list[str] = field(default_factory=list)
+    # Tokenizer for every model (overrides the per-model lookup by name).
+    tokenizer: str | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Longest wait for the upstream's next byte (first byte included); then it counts as
+    # failed (before the first byte: retried elsewhere).
+    upstream_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    probe_interval_s: float = 2.0
+    probe_timeout_s: float = 1.0
+    transport: Transport = "aiohttp"
+    gateway_id: str | None = None
+    # Prompts longer than this (characters) are tokenized in a worker thread.
+    inline_tokenize_chars: int = 8192
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be positive")
+        self.replicas = [url.rstrip("/") for url in self.replicas]

@@ -1,0 +1,88 @@
+"""One client request as the gateway saw it: the response headers it earns, one access
+log line and its metrics, recorded once when the answer is complete."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+
+access_log = logging.getLogger("prefixgate.gateway.access")
+
+
+@dataclass(slots=True)
+class Exchange:
+    request_id: str
+    endpoint: str
+    started: float  # time.perf_counter() at arrival
+    tenant: str = ""
+    model: str = ""
+    stream: bool = False
+    replica: str | None = None
+    reason: str | None = None
+    matched_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 0
+    status: int = 200
+    ttfb: float | None = None  # perf_counter() at the first upstream byte
+    cached_tokens: int | None = None  # as the replica reported it
+    retries: int = 0
+    finished: bool = False
+
+    def set_decision(self, replica_id: str, decision: Any) -> None:
+        self.replica = replica_id
+        self.reason = str(decision.reason)
+        self.matched_blocks = int(decision.matched_blocks)
+        self.total_blocks = int(decision.total_blocks)
+
+    def headers(self) -> dict[str, str]:
+        headers = {"x-request-id": self.request_id}
+        if self.replica is not None:
+            headers["x-prefixgate-replica"] = self.replica
+            headers["x-prefixgate-route"] = (
+                f"{self.reason}; matched={self.matched_blocks}/{self.total_blocks}"
+                f"; retries={self.retries}"
+            )
+        return headers
+
+    def finish(self, state: GatewayState) -> None:
+        """Record the metrics and the access log line (once)."""
+        if self.finished:
+            return
+        self.finished = True
+        end = time.perf_counter()
+        m = state.metrics
+        replica = self.replica or "none"
+        m.requests.labels(self.endpoint, str(self.status), replica).inc()
+        m.e2e.labels(self.endpoint).observe(end - self.started)
+        if self.ttfb is not None:
+            m.ttft.labels(self.endpoint).observe(self.ttfb - self.started)
+        if self.replica is not None and self.status < 400:
+            m.predicted_tokens.labels(replica).inc(self.matched_blocks * self.block_size)
+            if self.cached_tokens is not None:
+                m.cached_tokens.labels(replica).inc(self.cached_tokens)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(json.dumps(self._record(end), separators=(",", ":")))
+
+    def _record(self, end: float) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "endpoint": self.endpoint,
+            "tenant": self.tenant,
+            "model": self.model,
+            "stream": self.stream,
+            "replica": self.replica,
+            "reason": self.reason,
+            "status": self.status,
+            "matched_blocks": self.matched_blocks,
+            "total_blocks": self.total_blocks,
+            "cached_tokens": self.cached_tokens,
+            "retries": self.retries,
+            "ttfb_ms": None if self.ttfb is None else round((self.ttfb - self.started) * 1e3, 3),
+            "total_ms": round((end - self.started) * 1e3, 3),
+        }

@@ -1,0 +1,116 @@
+"""Prometheus metrics, one CollectorRegistry per app (no process-global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+BREAKER_STATES = ("closed", "half_open", "open")
+
+
+class ReplicaCollector(Collector):
+    """Per-replica state read from the router at scrape time, never stale."""
+
+    def __init__(self, replicas: Callable[[], Mapping[str, Any]]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        healthy = GaugeMetricFamily(
+            "prefixgate_gateway_replica_healthy", "1 if the router routes to it", labels=["replica"]
+        )
+        in_flight = GaugeMetricFamily(
+            "prefixgate_gateway_replica_in_flight", "requests in flight", labels=["replica"]
+        )
+        breaker = GaugeMetricFamily(
+            "prefixgate_gateway_breaker_state",
+            "circuit breaker state (1 for the current state)",
+            labels=["replica", "state"],
+        )
+        for rid, view in self._replicas().items():
+            healthy.add_metric([rid], 1.0 if view.healthy else 0.0)
+            in_flight.add_metric([rid], float(view.in_flight))
+            state = str(getattr(view.breaker_state, "value", view.breaker_state)).lower()
+            for name in {*BREAKER_STATES, state}:
+                breaker.add_metric([rid, name], 1.0 if name == state else 0.0)
+        yield healthy
+        yield in_flight
+        yield breaker
+
+
+class GatewayMetrics:
+    __slots__ = (
+        "cached_tokens",
+        "decisions",
+        "e2e",
+        "predicted_tokens",
+        "registry",
+        "requests",
+        "retries",
+        "ttft",
+        "upstream_failures",
+    )
+
+    def __init__(self, replicas: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "prefixgate_gateway_requests",
+            "requests answered, by endpoint, status and replica",
+            ["endpoint", "status", "replica"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "prefixgate_gateway_ttft_seconds",
+            "time from request arrival to the first upstream byte",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "prefixgate_gateway_request_seconds",
+            "time from request arrival to the last byte sent",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "prefixgate_gateway_routing_decisions",
+            "routing decisions by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "prefixgate_gateway_predicted_cached_tokens",
+            "prompt tokens the router expected cached (matched blocks × block size)",
+            ["replica"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "prefixgate_gateway_reported_cached_tokens",
+            "prompt tokens the replica reported cached (usage.prompt_tokens_details)",
+            ["replica"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "prefixgate_gateway_retries",
+            "requests retried on another replica after a failure before the first byte",
+            registry=r,
+        )
+        self.upstream_failures = Counter(
+            "prefixgate_gateway_upstream_failures",
+            "upstream attempts that failed, by replica and kind",
+            ["replica", "kind"],
+            registry=r,
+        )
+        if replicas is not None:
+            r.register(ReplicaCollector(replicas))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

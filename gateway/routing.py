@@ -1,0 +1,136 @@
+"""Request → prompt tokens → block keys, the router's input.
+
+The keys must equal the replica's for the same request (router/protocol.py): the same
+tokenizer and chat template (prefixgate.tokenizer.ChatTokenizer), the same model id,
+block size and salt (the ``cache_salt`` the replica receives, "" when none).
+
+Foreign backends (vLLM, SGLang) may serve a model we cannot tokenize. Then the keys are
+computed over the prompt's UTF-8 bytes, four bytes to a pseudo-token, under a root of
+their own (``bytes:{model}``). They never match a replica's keys, but they are consistent
+within the gateway, and that is all routing needs where no replica publishes events: the
+router's optimistic inserts alone make requests that share a prefix share a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+from prefixgate.wire import ChatCompletionRequest, CompletionRequest
+from router.protocol import KeySpace
+
+log = logging.getLogger("prefixgate.gateway")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+
+class PromptKeys(NamedTuple):
+    keys: list[bytes]  # full 32-byte keys, one per full block
+    prompt_tokens: int  # pseudo-tokens for byte-keyed prompts
+    tokenized: bool  # False: keys over the prompt's bytes (no tokenizer for the model)
+
+
+def default_loader(name_or_path: str) -> Tokenizer:
+    from prefixgate.tokenizer import ChatTokenizer
+
+    tokenizer: Tokenizer = ChatTokenizer.for_model(name_or_path)
+    return tokenizer
+
+
+class KeyBuilder:
+    """Tokenizers per model (loaded once, failures remembered) and key computation."""
+
+    __slots__ = ("_inline_chars", "_loader", "_override", "_tokenizers")
+
+    def __init__(
+        self,
+        tokenizer: str | None = None,
+        *,
+        inline_chars: int = 8192,
+        loader: Callable[[str], Tokenizer] = default_loader,
+    ) -> None:
+        self._override = tokenizer
+        self._inline_chars = inline_chars
+        self._loader = loader
+        self._tokenizers: dict[str, Tokenizer | None] = {}
+
+    def tokenizer_for(self, model: str) -> Tokenizer | None:
+        """The model's tokenizer, or None when it has none we can load (byte keys)."""
+        if model in self._tokenizers:
+            return self._tokenizers[model]
+        source = self._override or model
+        try:
+            tokenizer: Tokenizer | None = self._loader(source)
+        except Exception as exc:  # any loader failure means "no tokenizer", not a 500
+            log.warning("no tokenizer for model %r (%s); routing on prompt bytes", model, exc)
+            tokenizer = None
+        self._tokenizers[model] = tokenizer
+        return tokenizer
+
+    async def preload(self, model: str) -> None:
+        if model not in self._tokenizers:
+            await asyncio.to_thread(self.tokenizer_for, model)
+
+    async def keys(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        model: str,
+        block_size: int,
+        salt: str,
+    ) -> PromptKeys:
+        if model not in self._tokenizers:
+            await self.preload(model)
+        tokenizer = self._tokenizers[model]
+        if _prompt_chars(request) <= self._inline_chars:
+            return prompt_keys(request, tokenizer, model, block_size, salt)
+        return await asyncio.to_thread(prompt_keys, request, tokenizer, model, block_size, salt)
+
+
+def prompt_keys(
+    request: ChatCompletionRequest | CompletionRequest,
+    tokenizer: Tokenizer | None,
+    model: str,
+    block_size: int,
+    salt: str,
+) -> PromptKeys:
+    if isinstance(request, CompletionRequest):
+        prompt = request.single_prompt()
+        if not isinstance(prompt, str):  # token ids: exact whatever the tokenizer
+            return PromptKeys(KeySpace(model, block_size, salt).keys(prompt), len(prompt), True)
+        if tokenizer is not None:
+            ids = tokenizer.encode(prompt)
+            return PromptKeys(KeySpace(model, block_size, salt).keys(ids), len(ids), True)
+        text = prompt
+    else:
+        messages = request.template_messages()
+        if tokenizer is not None:
+            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+            return PromptKeys(KeySpace(model, block_size, salt).keys(ids), len(ids), True)
+        text = "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in messages)
+    words = bytes_as_tokens(text.encode("utf-8"))
+    return PromptKeys(KeySpace(f"bytes:{model}", block_size, salt).keys(words), len(words), False)
+
+
+def bytes_as_tokens(data: bytes) -> Sequence[int]:
+    """Four bytes to a pseudo-token (about a real token's worth of text); tail dropped."""
+    words = array("I")
+    words.frombytes(data[: len(data) - len(data) % 4])
+    if sys.byteorder != "little":  # pragma: no cover
+        words.byteswap()
+    return words
+
+
+def _prompt_chars(request: ChatCompletionRequest | CompletionRequest) -> int:
+    if isinstance(request, CompletionRequest):
+        return len(request.single_prompt())
+    return sum(len(m.content) if isinstance(m.content, str) else 1024 for m in request.messages)

@@ -1,0 +1,217 @@
+"""A tiny, fast OpenAI-compatible stub server (raw ASGI, no framework).
+
+Stands in for a foreign backend (vLLM, SGLang: no events, a model we may not tokenize)
+in tests, and for a backend that costs nothing in the latency benchmark, so that the
+figures measure the gateway. Its answers are fixed text; flags make it fail on purpose:
+
+    python -m gateway.stub_backend --port P [--model NAME] [--fail-status 500]
+        [--fail-body TEXT] [--break-after N] [--chunks N] [--delay-ms MS]
+
+It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
+can check what the gateway forwarded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+@dataclass(slots=True)
+class StubConfig:
+    model: str = "stub-model"
+    fail_status: int | None = None
+    fail_body: str | None = None  # default: an OpenAI error body
+    break_after: int | None = None  # stream: drop the connection after this many chunks
+    chunks: int = 4  # content chunks per streamed answer
+    delay_s: float = 0.0  # before answering
+    remembered: int = 64
+
+
+@dataclass(slots=True)
+class StubBackend:
+    config: StubConfig
+    requests: deque[dict[str, Any]] = field(default_factory=deque)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/health":
+            await _send(send, 200, b'{"status":"ok"}')
+        elif method == "GET" and path == "/v1/models":
+            card = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "stub"}
+            await _send(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
+        elif method == "GET" and path == "/stub/requests":
+            await _send(send, 200, json.dumps(list(self.requests)).encode())
+        elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
+            await self._complete(scope, receive, send, chat=path.endswith("chat/completions"))
+        else:
+            await _send(
+                send, 404, json.dumps(_error("not found", "invalid_request_error")).encode()
+            )
+
+    async def _complete(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
+        raw = await _read(receive)
+        body = json.loads(raw)
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.requests.append({"path": scope["path"], "body": body, "headers": headers})
+        while len(self.requests) > self.config.remembered:
+            self.requests.popleft()
+        c = self.config
+        if c.delay_s:
+            await asyncio.sleep(c.delay_s)  # simulated backend work
+        if c.fail_status is not None:
+            if c.fail_body is not None:
+                await _send(send, c.fail_status, c.fail_body.encode(), b"text/plain")
+            else:
+                error = _error("stub failure", "server_error")
+                await _send(send, c.fail_status, json.dumps(error).encode())
+            return
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            await self._stream(send, body.get("model", c.model), chat, include_usage)
+        else:
+            await _send(send, 200, _completion(body.get("model", c.model), chat, c.chunks))
+
+    async def _stream(self, send: Send, model: str, chat: bool, include_usage: bool) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for i in range(self.config.chunks):
+            if self.config.break_after is not None and i >= self.config.break_after:
+                raise ConnectionAbortedError("stub: breaking the stream on purpose")
+            await send(
+                {"type": "http.response.body", "body": _chunk(model, chat, i), "more_body": True}
+            )
+        tail = b""
+        if include_usage:
+            tail += _event(_envelope(model, chat, [], _usage(self.config.chunks)))
+        tail += b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _error(message: str, type_: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": None}}
+
+
+def _usage(completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": 8,
+        "completion_tokens": completion_tokens,
+        "total_tokens": 8 + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _envelope(model: str, chat: bool, choices: list[Any], usage: Any = None) -> dict[str, Any]:
+    return {
+        "id": "stub-1",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def _chunk(model: str, chat: bool, i: int) -> bytes:
+    text = f"tok{i} "
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+    return _event(_envelope(model, chat, [choice]))
+
+
+def _completion(model: str, chat: bool, n: int) -> bytes:
+    text = "".join(f"tok{i} " for i in range(n))
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "length",
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+        obj = "text_completion"
+    body = {**_envelope(model, chat, [choice], _usage(n)), "object": obj}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _read(receive: Receive) -> bytes:
+    parts = []
+    while True:
+        message = await receive()
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+async def _send(
+    send: Send, status: int, body: bytes, content_type: bytes = b"application/json"
+) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gateway.stub_backend")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="stub-model")
+    parser.add_argument("--fail-status", type=int)
+    parser.add_argument("--fail-body")
+    parser.add_argument("--break-after", type=int)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--delay-ms", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    config = StubConfig(
+        model=args.model,
+        fail_status=args.fail_status,
+        fail_body=args.fail_body,
+        break_after=args.break_after,
+        chunks=args.chunks,
+        delay_s=args.delay_ms / 1000,
+    )
+    import uvicorn
+
+    from gateway.cli import fast_server_options
+
+    uvicorn.run(
+        StubBackend(config),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        **fast_server_options(),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
