@@ -1,0 +1,164 @@
+"""The compose file and the Kubernetes manifests validate offline, and say what we mean.
+
+No Docker engine or cluster here: the compose file is checked with ``compose-spec`` (a
+strict Rust parser of the Compose specification) after the two steps Compose itself takes
+first, YAML merge keys and ``${VAR:-default}`` interpolation; the manifests with
+``kubernetes-validate`` in strict mode (unknown fields are errors) against bundled schemas.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from compose_spec import PyCompose
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "deploy" / "compose.yaml"
+K8S = ROOT / "deploy" / "k8s"
+K8S_VERSION = "1.30.0"
+INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate_defaults(text: str) -> str:
+    """Compose's ``${VAR:-default}`` with an empty environment: every default applies."""
+    return INTERPOLATION.sub(lambda m: m.group(2) or "", text)
+
+
+def compose_data() -> dict[str, Any]:
+    data = yaml.safe_load(interpolate_defaults(COMPOSE.read_text()))  # resolves `<<:` merges
+    assert isinstance(data, dict)
+    return data
+
+
+def validate_compose(data: dict[str, Any]) -> PyCompose:
+    return PyCompose.from_json(json.dumps(data))
+
+
+def k8s_documents() -> list[tuple[Path, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        docs += [(path, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return docs
+
+
+def by_kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for _, doc in k8s_documents() if doc["kind"] == kind]
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def test_compose_file_validates() -> None:
+    compose = validate_compose(compose_data())
+    assert set(compose.service_names()) == {"redis", "replica-0", "replica-1", "gateway"}
+
+
+def test_compose_validator_rejects_mistakes() -> None:
+    """The validator is strict enough to catch typos, so its pass above means something."""
+    for service, mistake in [
+        ("redis", {"restart": "sometimes"}),
+        ("gateway", {"port": ["8000:8000"]}),
+        ("replica-0", {"healthcheck": {"test": ["CMD", "true"], "interval": "5q"}}),
+    ]:
+        data = compose_data()
+        data["services"][service].update(mistake)
+        with pytest.raises(ValueError):
+            validate_compose(data)
+
+
+def test_compose_gives_each_replica_its_own_gpu_and_a_shared_model_volume() -> None:
+    services = compose_data()["services"]
+    replicas = [name for name in services if name.startswith("replica-")]
+    gpus = []
+    for name in replicas:
+        service = services[name]
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        gpus += device["device_ids"]
+        assert "models:/cache" in service["volumes"]
+        env = service["environment"]
+        assert env["PREFIXGATE_REPLICA_ID"] == name
+        assert env["PREFIXGATE_ADVERTISE_URL"] == f"http://{name}:{env['PREFIXGATE_PORT']}"
+        assert service["restart"] == "unless-stopped"
+        assert "/health" in " ".join(service["healthcheck"]["test"])
+    assert sorted(gpus) == [str(i) for i in range(len(replicas))]
+
+
+def test_compose_gateway_is_published_and_knows_every_replica() -> None:
+    services = compose_data()["services"]
+    gateway = services["gateway"]
+    assert gateway["ports"] == ["8000:8000"]
+    assert "/ready" in " ".join(gateway["healthcheck"]["test"])
+    replica_urls = {
+        s["environment"]["PREFIXGATE_ADVERTISE_URL"]
+        for name, s in services.items()
+        if name.startswith("replica-")
+    }
+    command = gateway["command"]
+    assert {command[i + 1] for i, arg in enumerate(command) if arg == "--replica"} == replica_urls
+    for name, service in services.items():
+        for dependency in service.get("depends_on", {}):
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+
+
+# --------------------------------------------------------------------------- kubernetes
+
+
+def test_every_manifest_validates_strictly() -> None:
+    docs = k8s_documents()
+    assert docs
+    for path, doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{path.relative_to(ROOT)} {doc['kind']}: {exc}")
+
+
+def test_strict_validation_rejects_a_typo() -> None:
+    (statefulset,) = by_kind("StatefulSet")
+    statefulset["spec"]["replica"] = statefulset["spec"].pop("replicas")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(statefulset, K8S_VERSION, strict=True)
+
+
+def test_replicas_get_one_gpu_each_and_ready_on_health() -> None:
+    (statefulset,) = by_kind("StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    headless = [
+        s for s in by_kind("Service") if s["metadata"]["name"] == statefulset["spec"]["serviceName"]
+    ]
+    assert headless and headless[0]["spec"]["clusterIP"] == "None"
+
+
+def test_gateway_scales_out_behind_a_service() -> None:
+    deployments = {d["metadata"]["name"]: d for d in by_kind("Deployment")}
+    (hpa,) = by_kind("HorizontalPodAutoscaler")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert target["kind"] == "Deployment" and target["name"] in deployments
+    gateway = deployments[target["name"]]
+    (container,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["resources"]["requests"]["cpu"]  # utilization targets need a request
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert any(s["spec"].get("selector", {}).items() <= labels.items() for s in by_kind("Service"))
+
+
+def test_workloads_read_settings_from_the_configmap_that_exists() -> None:
+    configmaps = {c["metadata"]["name"]: c["data"] for c in by_kind("ConfigMap")}
+    workloads = by_kind("Deployment") + by_kind("StatefulSet")
+    prefixgate = [
+        w for w in workloads if w["metadata"]["labels"]["app.kubernetes.io/component"] != "redis"
+    ]
+    for workload in prefixgate:
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        for source in container["envFrom"]:
+            data = configmaps[source["configMapRef"]["name"]]
+            assert all(key.startswith("PREFIXGATE_") for key in data)
