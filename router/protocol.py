@@ -196,6 +196,7 @@ class BlockEvent:
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD. Keys as one hex string (32 hex chars per key)."""
+        _check_short((*self.keys, *((self.parent,) if self.parent is not None else ())))
         fields = {"seq": str(self.seq), "type": self.type, "keys": b"".join(self.keys).hex()}
         if self.parent is not None:
             fields["parent"] = self.parent.hex()
@@ -213,6 +214,13 @@ class BlockEvent:
         keys = tuple(raw[i : i + SHORT_KEY_BYTES] for i in range(0, len(raw), SHORT_KEY_BYTES))
         parent = bytes.fromhex(f["parent"]) if f.get("parent") else None
         return cls(seq=int(f["seq"]), type=event_type, keys=keys, parent=parent)  # type: ignore[arg-type]
+
+
+def _check_short(keys: Iterable[bytes]) -> None:
+    # A full 32-byte key would decode as two bogus short keys: refuse it at the source.
+    for key in keys:
+        if len(key) != SHORT_KEY_BYTES:
+            raise ValueError(f"expected a {SHORT_KEY_BYTES}-byte short key, got {len(key)} bytes")
 
 
 def _text(value: str | bytes) -> str:
@@ -243,6 +251,7 @@ def encode_snapshot(seq: int, blocks: Iterable[SnapshotBlock]) -> bytes:
     out += seq.to_bytes(8, "little")
     zero = bytes(SHORT_KEY_BYTES)
     for parent, key in blocks:
+        _check_short((key,) if parent is None else (parent, key))
         out += b"\x01" + parent if parent is not None else b"\x00" + zero
         out += key
     return bytes(out)
@@ -276,6 +285,7 @@ class RoutedHint:
     keys: tuple[bytes, ...]
 
     def encode(self) -> str:
+        _check_short(self.keys)
         return json.dumps(
             {"g": self.gateway_id, "r": self.replica_id, "k": b"".join(self.keys).hex()},
             separators=(",", ":"),

@@ -1,0 +1,245 @@
+"""The block-key contract: published test vectors and event codec round-trips.
+
+Any other implementation of the keys (another language, another gateway) can be checked
+against VECTORS. Byte layout, restated so the vectors can be recomputed by hand:
+
+    root  = SHA-256(b"prefixgate/1\\x00" ‖ utf8(model) ‖ b"\\x00" ‖ u32le(block_size) ‖ utf8(salt))
+    key_0 = SHA-256(root ‖ u32le(t_0) ‖ … ‖ u32le(t_{B-1}))
+    key_i = SHA-256(key_{i-1} ‖ u32le(t_{iB}) ‖ … ‖ u32le(t_{iB+B-1}))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.protocol import (
+    BlockEvent,
+    KeySpace,
+    ReplicaInfo,
+    ReplicaLoad,
+    RoutedHint,
+    SnapshotBlock,
+    block_keys,
+    chain_key,
+    decode_snapshot,
+    encode_snapshot,
+    encode_tokens,
+    root_key,
+    short_key,
+)
+
+# (model, block size, salt, tokens) -> (root hex, [block key hex, ...])
+VECTORS: list[tuple[str, int, str, list[int], str, list[str]]] = [
+    (
+        "smollm2-135m",
+        16,
+        "",
+        list(range(40)),
+        "b91ee44e8e3d599411aa0bda3bf879473047ac3029e2886f56ddc1356de42c84",
+        [
+            "32bae4cae8878dae7207f9848b6bd53b8c40361b73e4cb285adf04413426ed5d",
+            "9405fa2eb07b980b2255bd8f30440e33c231728f99bba1954811e64d5831ed46",
+        ],
+    ),
+    (
+        "smollm2-135m",
+        16,
+        "tenant-a",
+        list(range(40)),
+        "92ac3c7865230eeeddcbaee66a829467a494397cc9ee69c039fff4e3c15a7582",
+        [
+            "3885860ee9d0b93e6674d8d3be5edad0d25525fbeeef91bef519af8b9604b080",
+            "20f80d8e0da2828238fd5c55032c8ff2788817252a698c786147154f1750c1a0",
+        ],
+    ),
+    (
+        "smollm2-135m",
+        4,
+        "",
+        list(range(10)),
+        "88d4adbd949e70a3bd28c96b2803afbe846564bba4e357f5337193a4c6b1e593",
+        [
+            "5484f59879f462281606ad958fd4da663e4df6cbdd660fa301545a3c535709e4",
+            "6e72f1a19cde50647dfe5f37fabe47b1b0f901e1556c290bcdb934f794e94432",
+        ],
+    ),
+]
+
+
+def reference_keys(model: str, block_size: int, salt: str, tokens: list[int]) -> list[bytes]:
+    """An independent implementation (struct + hashlib) of the layout in the docstring."""
+    prev = hashlib.sha256(
+        b"prefixgate/1\x00"
+        + model.encode()
+        + b"\x00"
+        + struct.pack("<I", block_size)
+        + salt.encode()
+    ).digest()
+    keys = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start : start + block_size]
+        prev = hashlib.sha256(prev + struct.pack(f"<{block_size}I", *block)).digest()
+        keys.append(prev)
+    return keys
+
+
+@pytest.mark.parametrize(("model", "block_size", "salt", "tokens", "root_hex", "keys_hex"), VECTORS)
+def test_published_vectors(
+    model: str, block_size: int, salt: str, tokens: list[int], root_hex: str, keys_hex: list[str]
+) -> None:
+    space = KeySpace(model, block_size, salt)
+    assert space.root.hex() == root_hex
+    assert [k.hex() for k in space.keys(tokens)] == keys_hex
+    assert [k.hex() for k in reference_keys(model, block_size, salt, tokens)] == keys_hex
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=70),
+    block_size=st.sampled_from([1, 3, 16]),
+    salt=st.text(max_size=8),
+)
+def test_keys_match_the_reference_layout(tokens: list[int], block_size: int, salt: str) -> None:
+    assert KeySpace("m", block_size, salt).keys(tokens) == reference_keys(
+        "m", block_size, salt, tokens
+    )
+
+
+def test_only_full_blocks_get_keys_and_tail_does_not_change_them() -> None:
+    space = KeySpace("smollm2-135m")
+    assert space.keys(range(15)) == []
+    assert space.keys(range(32)) == space.keys(range(47))
+    assert len(space.keys(range(48))) == 3
+
+
+def test_keys_differ_across_model_block_size_salt_and_history() -> None:
+    tokens = list(range(32))
+    spaces = [
+        KeySpace("smollm2-135m", 16, ""),
+        KeySpace("tiny-random", 16, ""),
+        KeySpace("smollm2-135m", 8, ""),
+        KeySpace("smollm2-135m", 16, "tenant-a"),
+    ]
+    firsts = {s.keys(tokens)[0] for s in spaces}
+    assert len(firsts) == len(spaces)
+    # The same second block after a different first block gets a different key.
+    a = KeySpace("m").keys([1] * 16 + [7] * 16)
+    b = KeySpace("m").keys([2] * 16 + [7] * 16)
+    assert a[1] != b[1]
+
+
+def test_resuming_a_chain_gives_the_same_keys() -> None:
+    tokens = list(range(100, 180))
+    root = root_key("m", 16)
+    full = block_keys(tokens, 16, root)
+    assert block_keys(tokens, 16, root, parent=full[1], start_block=2) == full[2:]
+    with pytest.raises(ValueError, match="parent"):
+        block_keys(tokens, 16, root, start_block=2)
+
+
+def test_chain_key_and_encode_tokens_are_the_links_block_keys_uses() -> None:
+    tokens = list(range(16))
+    root = root_key("m", 16)
+    assert encode_tokens([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert chain_key(root, encode_tokens(tokens)) == block_keys(tokens, 16, root)[0]
+
+
+def test_invalid_inputs_are_rejected() -> None:
+    with pytest.raises(ValueError):
+        root_key("m", 0)
+    with pytest.raises(OverflowError):
+        KeySpace("m", 1).keys([-1])
+    with pytest.raises(OverflowError):
+        KeySpace("m", 1).keys([2**32])
+
+
+def test_short_key_is_the_first_16_bytes() -> None:
+    key = KeySpace("m", 1).keys([5])[0]
+    assert short_key(key) == key[:16] and len(short_key(key)) == 16
+
+
+# --------------------------------------------------------------------------- codecs
+
+short_keys = st.binary(min_size=16, max_size=16)
+
+
+@given(
+    seq=st.integers(0, 2**63),
+    keys=st.lists(short_keys, max_size=5),
+    parent=st.none() | short_keys,
+    event_type=st.sampled_from(["stored", "removed", "cleared"]),
+)
+def test_block_event_round_trip(
+    seq: int, keys: list[bytes], parent: bytes | None, event_type: str
+) -> None:
+    event = BlockEvent(seq, event_type, tuple(keys), parent)  # type: ignore[arg-type]
+    fields = event.encode()
+    assert BlockEvent.decode(fields) == event
+    # Redis hands fields back as bytes.
+    assert BlockEvent.decode({k.encode(): v.encode() for k, v in fields.items()}) == event
+
+
+def test_block_event_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        BlockEvent.decode({"seq": "1", "type": "moved", "keys": ""})
+    with pytest.raises(ValueError, match="16-byte"):
+        BlockEvent.decode({"seq": "1", "type": "removed", "keys": "ab" * 17})
+
+
+@given(
+    seq=st.integers(0, 2**64 - 1),
+    blocks=st.lists(st.tuples(st.none() | short_keys, short_keys), max_size=8),
+)
+def test_snapshot_round_trip(seq: int, blocks: list[tuple[bytes | None, bytes]]) -> None:
+    snapshot_blocks = [SnapshotBlock(p, k) for p, k in blocks]
+    decoded = decode_snapshot(encode_snapshot(seq, snapshot_blocks))
+    assert decoded.seq == seq
+    assert decoded.blocks == snapshot_blocks
+
+
+def test_snapshot_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="not a prefixgate snapshot"):
+        decode_snapshot(b"XXXX" + bytes(8))
+    with pytest.raises(ValueError, match="truncated"):
+        decode_snapshot(encode_snapshot(1, [SnapshotBlock(None, bytes(16))])[:-1])
+
+
+@given(
+    gateway=st.text(max_size=10),
+    replica=st.text(max_size=10),
+    keys=st.lists(short_keys, max_size=5),
+)
+def test_routed_hint_round_trip(gateway: str, replica: str, keys: list[bytes]) -> None:
+    hint = RoutedHint(gateway, replica, tuple(keys))
+    assert RoutedHint.decode(hint.encode()) == hint
+    assert RoutedHint.decode(hint.encode().encode()) == hint
+
+
+def test_replica_info_round_trip() -> None:
+    info = ReplicaInfo(
+        replica_id="r0",
+        url="http://127.0.0.1:8001",
+        model="smollm2-135m",
+        block_size=16,
+        load=ReplicaLoad(running=2, waiting=1, free_blocks=10, used_blocks=5, total_blocks=15),
+        timestamp=12.5,
+    )
+    assert ReplicaInfo.decode(info.encode()) == info
+    assert ReplicaInfo.decode(info.encode().encode()) == info
+
+
+def test_encoders_refuse_full_keys() -> None:
+    # A 32-byte key would otherwise decode as two unrelated 16-byte keys.
+    full = bytes(32)
+    with pytest.raises(ValueError, match="16-byte"):
+        BlockEvent(1, "removed", (full,)).encode()
+    with pytest.raises(ValueError, match="16-byte"):
+        BlockEvent(1, "stored", (bytes(16),), parent=full).encode()
+    with pytest.raises(ValueError, match="16-byte"):
+        encode_snapshot(1, [SnapshotBlock(None, full)])
+    with pytest.raises(ValueError, match="16-byte"):
+        RoutedHint("g", "r", (full,)).encode()
