@@ -23,9 +23,12 @@ deadline order until an event confirms them or ``expire`` drops them.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_right
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, compress, repeat
+from operator import and_, is_, neg
 
 
 @dataclass(slots=True)
@@ -89,25 +92,60 @@ class PrefixIndex:
         blocks = self._blocks_of(replica_id)
         bit = 1 << blocks.slot
         nodes, lru, tentative = self._nodes, blocks.lru, blocks.tentative
-        for key in reversed(keys):  # deepest first: heads end up newest (module doc)
-            mask = nodes.get(key, 0)
-            if mask & bit:
-                lru.move_to_end(key)
-                if tentative_until is None:
-                    tentative.pop(key, None)
-                elif key in tentative:
-                    del tentative[key]  # re-append: keeps the dict in deadline order
-                    tentative[key] = tentative_until
-                continue
-            nodes[key] = self._intern(mask | bit)
-            lru[key] = None
+        # Fast path for the common shape: a held head, then new blocks. The held head is
+        # refreshed at C speed; the rest goes through the general loop below.
+        held = list(map(lru.__contains__, keys))
+        head = held.index(False) if False in held else len(keys)
+        intern = self._masks.setdefault
+        tail = list(reversed(keys[head:]))  # deepest first: heads end up newest (module doc)
+        if True in held[head:]:
+            self._insert_slow(blocks, tail, tentative_until)
+        elif tail:  # all new to this replica: bulk updates at C speed
+            masks = list(map(nodes.get, tail))
+            fresh = list(compress(tail, map(is_, masks, repeat(None))))
+            nodes.update(dict.fromkeys(fresh, intern(bit, bit)))
+            if len(fresh) < len(tail):  # blocks other replicas hold already
+                for key, mask in zip(tail, masks, strict=True):
+                    if mask is not None:
+                        nodes[key] = intern(mask | bit, mask | bit)
+            lru.update(dict.fromkeys(tail))
             if tentative_until is not None:
-                tentative[key] = tentative_until
+                tentative.update(dict.fromkeys(tail, tentative_until))
+        head_keys = keys[:head]
+        deque(map(lru.move_to_end, reversed(head_keys)), maxlen=0)
+        if tentative:
+            for key in tentative.keys() & set(head_keys):
+                self._retag(tentative, key, tentative_until)
         overflow = len(lru) - self.max_blocks_per_replica
         for _ in range(overflow):
             key, _none = lru.popitem(last=False)
             tentative.pop(key, None)
             self._unset(key, bit)
+
+    def _insert_slow(
+        self, blocks: _ReplicaBlocks, keys: list[bytes], tentative_until: float | None
+    ) -> None:
+        bit = 1 << blocks.slot
+        nodes, lru, tentative = self._nodes, blocks.lru, blocks.tentative
+        for key in keys:
+            mask = nodes.get(key, 0)
+            if mask & bit:
+                lru.move_to_end(key)
+                self._retag(tentative, key, tentative_until)
+                continue
+            nodes[key] = self._intern(mask | bit)
+            lru[key] = None
+            if tentative_until is not None:
+                tentative[key] = tentative_until
+
+    @staticmethod
+    def _retag(tentative: dict[bytes, float], key: bytes, until: float | None) -> None:
+        """A held block seen again: confirmed (until None) or a refreshed deadline."""
+        if until is None:
+            tentative.pop(key, None)
+        elif key in tentative:
+            del tentative[key]  # re-append: keeps the dict in deadline order
+            tentative[key] = until
 
     def remove(self, replica_id: str, keys: Iterable[bytes]) -> None:
         """The replica no longer holds ``keys`` (unknown keys are ignored)."""
@@ -160,17 +198,22 @@ class PrefixIndex:
         """Matched depth (leading blocks held) per replica; replicas with 0 are left out."""
         if not keys:
             return {}
-        nodes = self._nodes
-        active = nodes.get(keys[0], 0)
+        # Everything at C speed: look every key up, cut at the first unknown one, AND the
+        # holder masks cumulatively. ``acc[i]`` = replicas holding keys[0..i]; a subset's
+        # mask is never larger, so ``acc`` is non-increasing and each drop is found by
+        # bisection (at most one per replica).
+        got = list(map(self._nodes.get, keys))
+        if None in got:
+            got = got[: got.index(None)]
+        acc = list(accumulate(got, and_))
         depth_by_slot: dict[int, int] = {}
-        depth = 1
-        while active and depth < len(keys):
-            held = active & nodes.get(keys[depth], 0)
-            if held != active:
-                _record(depth_by_slot, active & ~held, depth)
-                active = held
-            depth += 1
-        _record(depth_by_slot, active, depth)
+        start = 0
+        while start < len(acc) and acc[start]:
+            active = acc[start]
+            end = bisect_right(acc, -active, lo=start, key=neg)  # first index with a smaller mask
+            nxt = acc[end] if end < len(acc) else 0
+            _record(depth_by_slot, active & ~nxt, end)
+            start = end
         owner = self._slot_owner
         return {owner[slot]: d for slot, d in depth_by_slot.items()}  # type: ignore[misc]
 

@@ -1,0 +1,134 @@
+"""The prefix index against a brute-force model: per replica, a set of keys."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.index import PrefixIndex
+
+REPLICAS = ["a", "b", "c"]
+# A small key universe so that chains overlap: key = bytes of its position and variant.
+KEYS = [bytes([depth, variant]) * 8 for depth in range(6) for variant in range(2)]
+
+
+def chain(variants: list[int]) -> list[bytes]:
+    return [bytes([depth, v]) * 8 for depth, v in enumerate(variants)]
+
+
+def brute_match(model: dict[str, set[bytes]], keys: list[bytes]) -> dict[str, int]:
+    out = {}
+    for replica, held in model.items():
+        depth = 0
+        while depth < len(keys) and keys[depth] in held:
+            depth += 1
+        if depth:
+            out[replica] = depth
+    return out
+
+
+chains = st.lists(st.integers(0, 1), min_size=1, max_size=6).map(chain)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.sampled_from(REPLICAS), chains),
+        st.tuples(st.just("remove"), st.sampled_from(REPLICAS), st.lists(st.sampled_from(KEYS))),
+        st.tuples(st.just("clear"), st.sampled_from(REPLICAS), st.just([])),
+        st.tuples(st.just("drop"), st.sampled_from(REPLICAS), st.just([])),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops, query=chains)
+def test_match_equals_brute_force(
+    ops: list[tuple[str, str, list[bytes]]], query: list[bytes]
+) -> None:
+    index = PrefixIndex()
+    model: dict[str, set[bytes]] = {}
+    for op, replica, keys in ops:
+        if op == "insert":
+            index.insert(replica, keys)
+            model.setdefault(replica, set()).update(keys)
+        elif op == "remove":
+            index.remove(replica, keys)
+            model.get(replica, set()).difference_update(keys)
+        elif op == "clear":
+            index.clear(replica)
+            model.get(replica, set()).clear()
+        else:
+            index.drop_replica(replica)
+            model.pop(replica, None)
+        index.check_invariants()
+        assert index.match(query) == brute_match(model, query)
+    assert len(index) == len(set().union(*model.values())) if model else len(index) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(inserts=st.lists(st.tuples(st.sampled_from(REPLICAS), chains), max_size=40))
+def test_cap_holds_and_evicts_oldest_leaves_first(inserts: list[tuple[str, list[bytes]]]) -> None:
+    index = PrefixIndex(max_blocks_per_replica=4)
+    for replica, keys in inserts:
+        index.insert(replica, keys)
+        index.check_invariants()
+        assert index.blocks(replica) <= 4
+        # The newest chain's head always survives: heads are touched last.
+        assert index.holds(replica, keys[0])
+
+
+def test_lru_evicts_the_least_recently_touched_chain() -> None:
+    index = PrefixIndex(max_blocks_per_replica=6)
+    old, new = chain([0, 0, 0]), chain([1, 1, 1])
+    index.insert("a", old)
+    index.insert("a", new)
+    index.insert("a", old[:1])  # touching the head of `old` keeps it alive
+    index.insert("a", chain([0, 2, 2]))  # 2 new blocks under old's head -> evict 2
+    assert index.match(old) == {"a": 1}  # old's leaves were the oldest; its head was touched
+    assert index.match(new) == {"a": 3}
+    index.check_invariants()
+
+
+def test_remove_really_removes() -> None:
+    index = PrefixIndex()
+    keys = chain([0, 0, 0, 0])
+    index.insert("a", keys)
+    index.insert("b", keys[:2])
+    index.remove("a", keys[2:3])
+    assert index.match(keys) == {"a": 2, "b": 2}
+    index.drop_replica("a")
+    assert index.match(keys) == {"b": 2}
+    assert len(index) == 2  # nodes nobody holds are gone
+    index.drop_replica("b")
+    assert len(index) == 0 and index.match(keys) == {}
+    index.check_invariants()
+
+
+def test_optimistic_inserts_expire_unless_confirmed() -> None:
+    index = PrefixIndex()
+    keys = chain([0, 0, 0])
+    index.insert("a", keys, tentative_until=10.0)
+    index.insert("a", keys[:2])  # an event confirms the first two blocks
+    assert index.expire("a", now=9.0) == 0
+    assert index.expire("a", now=10.0) == 1
+    assert index.match(keys) == {"a": 2}
+    index.check_invariants()
+
+
+def test_confirmed_blocks_stay_confirmed_after_a_new_optimistic_insert() -> None:
+    index = PrefixIndex()
+    keys = chain([0, 0])
+    index.insert("a", keys)
+    index.insert("a", keys + chain([0, 0, 1])[2:], tentative_until=1.0)
+    assert index.expire("a", now=5.0) == 1
+    assert index.match(keys) == {"a": 2}
+
+
+def test_slots_are_reused_after_a_replica_leaves() -> None:
+    index = PrefixIndex()
+    for i in range(3):
+        index.insert(f"r{i}", chain([i % 2]))
+    index.drop_replica("r1")
+    index.insert("r3", chain([1]))
+    assert index.match(chain([1])) == {"r3": 1}
+    assert index.match(chain([0])) == {"r0": 1, "r2": 1}
+    index.check_invariants()

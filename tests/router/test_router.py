@@ -1,0 +1,137 @@
+"""The Router facade: decisions, the index feed, load, health, maintenance."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import RouterConfig
+from router.protocol import BlockEvent, KeySpace, ReplicaLoad, RoutedHint, Snapshot, SnapshotBlock
+from router.router import NoHealthyReplica, Router
+
+SPACE = KeySpace("m")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def keys(*token_runs: int) -> list[bytes]:
+    """Full 32-byte keys of a prompt made of 16-token blocks with the given token values."""
+    return SPACE.keys([t for run in token_runs for t in [run] * 16])
+
+
+def make(n: int = 3, **config: float) -> tuple[Router, Clock]:
+    clock = Clock()
+    router = Router(RouterConfig(**config), clock=clock, seed=0)  # type: ignore[arg-type]
+    for i in range(n):
+        router.add_replica(f"r{i}", f"http://r{i}", model="m", static=True)
+    return router, clock
+
+
+def test_route_prefers_the_replica_with_the_prefix_and_explains_why() -> None:
+    router, _ = make()
+    prompt = keys(1, 2, 3, 4)
+    router.apply_event("r2", BlockEvent(1, "stored", tuple(k[:16] for k in prompt[:3])))
+    decision = router.route(prompt)
+    assert decision == ("r2", "prefix_match 3/4 blocks", 3, 4)
+    router.check_invariants()
+
+
+def test_optimistic_insert_makes_a_burst_stick_and_hooks_see_it() -> None:
+    router, _ = make()
+    seen: list[tuple[str, list[bytes]]] = []
+    router.add_routed_hook(lambda rid, ks: seen.append((rid, ks)))
+    first = router.route(keys(7, 8), conversation_key=None)
+    second = router.route(keys(7, 8, 9))
+    assert second.replica_id == first.replica_id and second.matched_blocks == 2
+    assert seen[0] == (first.replica_id, [k[:16] for k in keys(7, 8)])
+
+
+def test_optimistic_inserts_expire_only_for_replicas_that_publish_events() -> None:
+    router, clock = make(2, optimistic_ttl_s=5.0)
+    router.apply_snapshot("r0", Snapshot(0, []))  # r0 publishes events, r1 never does
+    prompt = keys(1, 2)
+    for rid in ("r0", "r1"):
+        router.index.insert(rid, [k[:16] for k in prompt], tentative_until=clock() + 5.0)
+    clock.now += 6
+    router.sweep()
+    assert router.index.match([k[:16] for k in prompt]) == {"r1": 2}
+    assert router.stats()["expired_optimistic"] == 2
+
+
+def test_events_gap_and_snapshot() -> None:
+    router, _ = make(1)
+    a, b = keys(1, 2), keys(1, 3)
+    short_a = tuple(k[:16] for k in a)
+    assert router.apply_event("r0", BlockEvent(5, "stored", short_a))
+    assert router.apply_event("r0", BlockEvent(6, "removed", short_a[1:]))
+    assert router.index.match(list(short_a)) == {"r0": 1}
+    assert router.apply_event("r0", BlockEvent(6, "cleared"))  # duplicate: ignored
+    assert not router.apply_event("r0", BlockEvent(8, "cleared"))  # gap: caller resyncs
+    assert router.index.match(list(short_a)) == {"r0": 1}
+    blocks = [SnapshotBlock(None, b[0][:16]), SnapshotBlock(b[0][:16], b[1][:16])]
+    router.apply_snapshot("r0", Snapshot(9, blocks))
+    assert router.index.match([k[:16] for k in b]) == {"r0": 2}
+    assert router.index.match(list(short_a)) == {"r0": 1}  # shares the first block
+    assert router.apply_event("r0", BlockEvent(10, "cleared"))
+    assert len(router.index) == 0
+    router.check_invariants()
+
+
+def test_model_filter_exclude_and_no_healthy_replica() -> None:
+    router, _ = make(2)
+    router.add_replica("other", "http://o", model="other-model", static=True)
+    assert router.route(keys(1), model="other-model").replica_id == "other"
+    assert router.route(keys(1), model="m", exclude={"r0"}).replica_id == "r1"
+    with pytest.raises(NoHealthyReplica):
+        router.route(keys(1), model="m", exclude={"r0", "r1"})
+    with pytest.raises(NoHealthyReplica):
+        router.route(keys(1), model="missing")
+
+
+def test_passive_failures_open_the_breaker_and_a_probe_closes_it() -> None:
+    router, clock = make(2, breaker_failures=2, breaker_cooldown_s=3.0)
+    for _ in range(2):
+        router.request_started("r0")
+        router.request_finished("r0", ok=False)
+    assert not router.replicas["r0"].healthy and router.replicas["r0"].breaker_state == "open"
+    assert all(router.route(keys(i)).replica_id == "r1" for i in range(5))
+    clock.now += 3
+    router.report_probe("r0", ok=True)
+    assert router.replicas["r0"].healthy and router.replicas["r0"].in_flight == 0
+
+
+def test_discovered_replica_expires_without_heartbeats() -> None:
+    router, clock = make(0, replica_ttl_s=10.0)
+    router.add_replica("d", "http://d", "m")
+    router.add_replica("s", "http://s", "m", static=True)
+    clock.now += 11
+    assert not router.replicas["d"].healthy and router.replicas["s"].healthy
+    router.update_load("d", ReplicaLoad(running=2, waiting=3))
+    assert router.replicas["d"].healthy and router.replicas["d"].load.load == 5
+
+
+def test_remove_replica_leaves_ring_and_index_and_hints_apply() -> None:
+    router, _ = make(2)
+    short = [k[:16] for k in keys(4, 5)]
+    router.apply_hint(RoutedHint("other-gateway", "r1", tuple(short)))
+    assert router.index.match(short) == {"r1": 2}
+    router.remove_replica("r1")
+    assert router.index.match(short) == {} and "r1" not in router.ring
+    assert router.route(short).replica_id == "r0"
+    router.check_invariants()
+
+
+def test_local_in_flight_counts_and_stats() -> None:
+    router, _ = make(2)
+    d = router.route(keys(1))
+    router.request_started(d.replica_id)
+    assert router.replicas[d.replica_id].in_flight == 1
+    router.request_finished(d.replica_id, ok=True)
+    stats = router.stats()
+    assert stats["decisions"] and stats["index_blocks"] == 1
+    assert stats["replicas"][d.replica_id]["in_flight"] == 0
