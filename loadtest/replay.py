@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import openai
 from tqdm import tqdm
@@ -193,7 +193,7 @@ async def _one_request(
     try:
         async with run.client.chat.completions.with_streaming_response.create(
             model=cfg.model,
-            messages=messages,  # type: ignore[arg-type]
+            messages=cast(Any, messages),  # plain dicts are what the API takes
             max_tokens=turn.max_tokens,
             temperature=cfg.temperature,
             stream=True,
