@@ -177,12 +177,16 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
+        if denied := _denied(state, request):
+            return denied
         data = [_model_card(m) for m in state.models(healthy_only=True)]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(request: Request, model: str) -> Response:
         state: GatewayState = request.app.state.gateway
+        if denied := _denied(state, request):
+            return denied
         if model not in state.models(healthy_only=False):
             return JSONResponse(_unknown_model(model).body(), 404)
         return JSONResponse(_model_card(model))
@@ -293,6 +297,15 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _denied(state: GatewayState, request: Request) -> Response | None:
+    """The 401 answer when keys are configured and the request has no valid one."""
+    try:
+        state.auth.authenticate(request.headers.get("authorization"))
+    except OpenAIError as err:
+        return JSONResponse(err.body(), err.status, headers=err.headers)
+    return None
 
 
 def _too_large(limit: int) -> OpenAIError:

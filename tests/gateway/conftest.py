@@ -1,0 +1,91 @@
+"""Processes for the gateway tests: stub backends, gateways, Redis and replicas.
+
+Each starts on a free loopback port and is ready when its health endpoint answers
+(polled, never slept on). Test modules hold them in module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from prefixgate.procs import free_port, stop_process, wait_http_ok
+from tests.conftest import RedisServer
+
+
+@dataclass(slots=True)
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace_s=5)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start(
+    args: Sequence[str], port: int, workdir: Path, name: str, health: str = "/health"
+) -> Server:
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(url + health, timeout=120, procs=[proc])
+    except Exception as exc:
+        stop_process(proc, grace_s=2)
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{name} did not start:\n{tail}") from exc
+    return Server(proc, url, log)
+
+
+def start_stub(workdir: Path, name: str, *flags: str) -> Server:
+    port = free_port()
+    args = ["-m", "gateway.stub_backend", "--port", str(port), *flags]
+    return start(args, port, workdir, name)
+
+
+def start_gateway(
+    workdir: Path, name: str, replicas: Sequence[str], *flags: str, ready: bool = True
+) -> Server:
+    port = free_port()
+    args = ["-m", "prefixgate", "gateway", "--port", str(port), "--probe-interval-s", "0.5"]
+    for url in replicas:
+        args += ["--replica", url]
+    return start([*args, *flags], port, workdir, name, "/ready" if ready else "/health")
+
+
+def start_replica(workdir: Path, name: str, *flags: str) -> Server:
+    port = free_port()
+    args = ["-m", "prefixgate", "replica", "--model", "tiny-random", "--port", str(port), *flags]
+    return start(args, port, workdir, name)
+
+
+def write_api_keys(path: Path) -> Path:
+    keys = {
+        "sk-alpha": {"tenant": "alpha"},
+        "sk-beta": {"tenant": "beta"},
+        "sk-shared": {"tenant": "docs", "shared_namespace": True},
+    }
+    path.write_text(json.dumps(keys))
+    return path
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
