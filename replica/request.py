@@ -1,12 +1,20 @@
 """What callers hand the engine and what they get back: sampling params, streamed deltas,
 final outputs, and the errors ``Engine.submit`` raises.
 
-Torch-free on purpose: the replica server imports these names to build its responses.
+Torch-free at import time on purpose: the replica server imports these names to build
+its responses. The engine's per-request state (``RequestState``, ``SequenceState``) lives
+here too, next to the results it produces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from replica.detokenize import IncrementalDetokenizer, StopStringMatcher
+
+if TYPE_CHECKING:
+    import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -103,3 +111,128 @@ class RequestOutput:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+
+# --------------------------------------------------------------------------- engine state
+
+
+class OutputSink(Protocol):
+    """Where a request's deltas and final output go (``engine.RequestHandle``)."""
+
+    def deliver(self, delta: Delta) -> None: ...
+
+    def close(self, output: RequestOutput) -> None: ...
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One submitted request and its ``n`` choices, owned by the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    salt: str
+    stop_token_ids: frozenset[int]
+    sink: OutputSink
+    submitted_at: float
+    sequences: list[SequenceState] = field(default_factory=list)
+    forked: bool = False  # choices 1..n-1 exist (they fork off choice 0 after prefill)
+    cached_tokens: int = 0
+    admitted_at: float | None = None
+    prefilled_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        assert self.done and self.finished_at is not None
+        t0 = self.submitted_at
+        admitted = self.admitted_at if self.admitted_at is not None else self.finished_at
+        prefilled = self.prefilled_at if self.prefilled_at is not None else admitted
+        first = self.first_token_at if self.first_token_at is not None else self.finished_at
+        timings = Timings(
+            queued_s=admitted - t0,
+            prefill_s=prefilled - admitted,
+            first_token_s=first - t0,
+            decode_s=self.finished_at - first,
+            total_s=self.finished_at - t0,
+        )
+        choices = [
+            ChoiceOutput(s.index, s.output_token_ids, s.text, s.finish_reason or "abort")
+            for s in self.sequences
+        ]
+        return RequestOutput(
+            self.request_id, len(self.prompt_token_ids), self.cached_tokens, choices, timings
+        )
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """One choice: its tokens (prompt + generated), its blocks, and its text so far.
+
+    ``num_computed`` tokens have K/V in ``block_ids``; the scheduler computes the rest.
+    ``shared_tail``: the last block is also held by a sibling (n > 1 fork), so it must be
+    copied before this sequence writes into it.
+    """
+
+    request: RequestState
+    index: int
+    token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    generator: torch.Generator | None
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    shared_tail: bool = False
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_to_compute(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def append_token(self, token_id: int, max_len: int) -> Delta:
+        """Record a sampled token; decide whether the choice ends; return its delta."""
+        self.token_ids.append(token_id)
+        params = self.request.params
+        finish: str | None = None
+        if token_id in self.request.stop_token_ids:
+            finish, text = "stop", self._drain()
+        else:
+            check = self.stop_matcher.feed(self.detokenizer.push(token_id))
+            text = check.text
+            if check.stopped:
+                finish = "stop"
+            elif len(self.output_token_ids) >= params.max_tokens or len(self.token_ids) >= max_len:
+                finish = "length"
+                tail = self.stop_matcher.feed(self.detokenizer.flush())
+                text += tail.text
+                if tail.stopped:
+                    finish = "stop"
+                else:
+                    text += self.stop_matcher.flush()
+        self.text += text
+        self.finish_reason = finish
+        return Delta(self.index, [token_id], text, finish)
+
+    def _drain(self) -> str:
+        tail = self.stop_matcher.feed(self.detokenizer.flush())
+        return tail.text if tail.stopped else tail.text + self.stop_matcher.flush()
+
+    def finish(self, reason: str) -> Delta:
+        """End the choice without a new token (abort, pool exhausted)."""
+        self.finish_reason = reason
+        text = "" if reason == "abort" else self._drain()
+        self.text += text
+        return Delta(self.index, [], text, reason)

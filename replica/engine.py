@@ -1,0 +1,390 @@
+"""The replica engine: one model, one block pool, one prefix cache, one thread.
+
+Callers (the server's event loop, tests, benchmarks) talk to the engine only through
+thread-safe methods: ``submit`` validates and queues a request and returns a
+``RequestHandle`` to stream from; ``cancel`` asks for a request to end. All torch work
+happens on the engine thread, which loops: take new requests and cancellations, run one
+scheduler step, repeat; it sleeps on a condition variable when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from replica.attention import PagedBatch, use_paged_attention
+from replica.detokenize import TokenDecoder
+from replica.pool import BlockPool, PoolShape
+from replica.prefix_cache import CacheListener, CacheStats, PrefixCache
+from replica.request import (
+    Delta,
+    PromptTooLong,
+    QueueFull,
+    RequestOutput,
+    RequestState,
+    SamplingParams,
+)
+from replica.scheduler import Scheduler, SchedulerConfig
+from router.protocol import ReplicaLoad
+
+DEFAULT_KV_CACHE_MB = 256
+IDLE_WAIT_S = 0.5  # an idle loop still wakes this often to refresh its heartbeat
+
+
+class EngineTokenizer(TokenDecoder, Protocol):
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+
+
+class EngineModel(Protocol):
+    """What the engine needs of ``replica.models.LoadedModel``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> Any: ...  # a transformers PreTrainedModel in eval mode
+    @property
+    def tokenizer(self) -> EngineTokenizer: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def max_context(self) -> int: ...
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    num_blocks: int | None = None  # wins over kv_cache_mb
+    kv_cache_mb: int | None = None  # DEFAULT_KV_CACHE_MB when both are None
+    block_size: int = 16
+    max_prefill_tokens_per_step: int = 512
+    max_running: int = 64
+    max_waiting: int = 256
+    eviction_policy: str | None = None
+    ttl_s: float | None = None
+    heartbeat_timeout_s: float = 60.0  # ``alive`` turns False if a step takes longer
+    check_invariants: bool = False  # assert scheduler + cache invariants after every step
+
+
+class RequestHandle:
+    """A submitted request's stream of deltas and, once finished, its output.
+
+    Deltas go to a thread-safe queue (``__iter__``) and, when ``submit`` was called on a
+    running asyncio loop, also to an asyncio queue on that loop (``__aiter__``)."""
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.output: RequestOutput | None = None
+        self._finished = threading.Event()
+        # None marks the end of the stream.
+        self._sync: queue.SimpleQueue[Delta | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async: asyncio.Queue[Delta | None] | None = None
+        with contextlib.suppress(RuntimeError):  # no running loop: sync use only
+            self._loop = asyncio.get_running_loop()
+            self._async = asyncio.Queue()
+
+    # Called on the engine thread.
+    def deliver(self, delta: Delta) -> None:
+        self._put(delta)
+
+    def close(self, output: RequestOutput) -> None:
+        self.output = output
+        self._finished.set()
+        self._put(None)
+
+    def _put(self, item: Delta | None) -> None:
+        self._sync.put(item)
+        if self._loop is not None and self._async is not None:
+            # A closed loop raises RuntimeError: nobody is listening there any more.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def __iter__(self) -> Iterator[Delta]:
+        while (item := self._sync.get()) is not None:
+            yield item
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        if self._async is None:  # submitted off-loop: wait in a worker thread
+            while (item := await asyncio.to_thread(self._sync.get)) is not None:
+                yield item
+            return
+        while (item := await self._async.get()) is not None:
+            yield item
+
+    async def result(self) -> RequestOutput:
+        async for _ in self:
+            pass
+        assert self.output is not None
+        return self.output
+
+    def wait(self, timeout: float | None = None) -> RequestOutput:
+        """Block until finished (does not consume the stream)."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
+        assert self.output is not None
+        return self.output
+
+
+class Engine:
+    def __init__(
+        self,
+        model: EngineModel,
+        config: EngineConfig | None = None,
+        listener: CacheListener | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config = config or EngineConfig()
+        shape = PoolShape(
+            model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
+        )
+        if config.num_blocks is not None:
+            self.pool = BlockPool(shape, config.num_blocks, model.device)
+        else:
+            budget = config.kv_cache_mb if config.kv_cache_mb is not None else DEFAULT_KV_CACHE_MB
+            self.pool = BlockPool.from_budget(shape, budget, model.device)
+        self.cache = PrefixCache(
+            self.pool.num_blocks,
+            config.block_size,
+            model.name,
+            eviction_policy=config.eviction_policy,
+            ttl_s=config.ttl_s,
+            listener=listener,
+        )
+        use_paged_attention(model.model)
+        self._eos = frozenset(model.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(
+            self.cache,
+            self.pool,
+            self._forward,
+            SchedulerConfig(config.max_prefill_tokens_per_step, config.max_running),
+            max_context=model.max_context,
+        )
+        self._lock = threading.Condition()
+        self._inbox: list[RequestState] = []  # guarded by _lock
+        self._cancels: list[str] = []  # guarded by _lock
+        self._num_waiting = 0  # inbox + scheduler queue, guarded by _lock
+        self._stopping = False
+        self._busy = False  # the engine thread is working on something (under _lock)
+        self._thread: threading.Thread | None = None
+        self._heartbeat = time.monotonic()
+        self._load = ReplicaLoad(
+            total_blocks=self.pool.num_blocks, free_blocks=self.pool.num_blocks
+        )
+        self._stats = self.cache.stats()
+        self.error: BaseException | None = None  # what killed the loop, if anything
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self._heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="prefixgate-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is left (finish_reason "abort") and join the thread."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        thread = self._thread
+        recent = time.monotonic() - self._heartbeat < self.config.heartbeat_timeout_s
+        return thread is not None and thread.is_alive() and recent
+
+    # ------------------------------------------------------------------------- callers
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        salt: str = "",
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        params.validate()
+        self._check_prompt(len(prompt_token_ids))
+        if any(t < 0 or t >= self._vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
+        request_id = request_id or uuid.uuid4().hex
+        handle = RequestHandle(request_id, len(prompt_token_ids))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
+        state = RequestState(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            salt=salt,
+            stop_token_ids=frozenset(stop_ids),
+            sink=handle,
+            submitted_at=time.monotonic(),
+        )
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine is stopping")
+            if self._num_waiting >= self.config.max_waiting:
+                raise QueueFull(
+                    f"{self._num_waiting} requests are waiting (max_waiting="
+                    f"{self.config.max_waiting}); retry later"
+                )
+            self._num_waiting += 1
+            self._inbox.append(state)
+            self._lock.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancels.append(request_id)
+            self._lock.notify_all()
+
+    def load(self) -> ReplicaLoad:
+        with self._lock:
+            snapshot = ReplicaLoad(**{f: getattr(self._load, f) for f in self._load.__slots__})
+            snapshot.waiting = max(snapshot.waiting, self._num_waiting)
+        return snapshot
+
+    def cache_stats(self) -> CacheStats:
+        """The cache's stats as of the last step (safe from any thread)."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, salt: str = ""
+    ) -> RequestOutput:
+        """Submit and wait (the engine must be started). For tests and benchmarks."""
+        return self.submit(prompt_token_ids, params, salt=salt).wait()
+
+    def run_until_idle(self, timeout: float | None = None) -> None:
+        """Block until nothing is queued or running."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._inbox or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("engine still busy")
+                self._lock.wait(left if left is not None else IDLE_WAIT_S)
+
+    # ------------------------------------------------------------------------- engine thread
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while self._iterate():
+                    pass
+        except BaseException as exc:
+            self.error = exc
+            self.scheduler.abort_all()
+            raise
+        finally:
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()
+
+    def _iterate(self) -> bool:
+        with self._lock:
+            self._heartbeat = time.monotonic()
+            if not (self._stopping or self._inbox or self._cancels or self.scheduler.has_work):
+                self._busy = False
+                self._lock.notify_all()
+                self._lock.wait(IDLE_WAIT_S)
+                return True
+            stopping = self._stopping
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+            self._busy = True
+        for state in inbox:
+            self.scheduler.add(state, self.model.tokenizer)
+        for request_id in cancels:
+            self.scheduler.abort(request_id)
+        if stopping:
+            self.scheduler.abort_all()
+            self._publish()
+            return False
+        self.scheduler.step()
+        if self.config.check_invariants:
+            self.scheduler.check_invariants()
+        self._publish()
+        return True
+
+    def _publish(self) -> None:
+        sched = self.scheduler
+        stats = self.cache.stats()
+        running = {s.request.request_id for s in sched.running}
+        waiting = {s.request.request_id for s in sched.waiting} - running
+        with self._lock:
+            self._num_waiting = len(waiting) + len(self._inbox)
+            self._stats = stats
+            self._load = ReplicaLoad(
+                running=len(running),
+                waiting=len(waiting),
+                free_blocks=stats.free_blocks,
+                used_blocks=stats.used_blocks,
+                total_blocks=stats.total_blocks,
+                queued_prefill_tokens=sched.queued_prefill_tokens,
+            )
+
+    def _forward(
+        self, input_ids: torch.Tensor, batch: PagedBatch, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """input_ids: [T]; rows: [K] -> logits [K, V] (only the rows we sample from)."""
+        out = self.model.model(
+            input_ids=input_ids[None],
+            position_ids=batch.positions[None],
+            use_cache=False,
+            logits_to_keep=rows,
+            paged_batch=batch,
+        )
+        return out.logits[0]  # [K, V]
+
+    # ------------------------------------------------------------------------- checks
+
+    @property
+    def _vocab_size(self) -> int:
+        return int(self.model.model.config.vocab_size)
+
+    def _check_prompt(self, n: int) -> None:
+        if n < 1:
+            raise ValueError("the prompt must contain at least one token")
+        limit = self.model.max_context
+        if n + 1 > limit:
+            raise PromptTooLong(
+                f"the prompt has {n} tokens but this model's context is {limit} tokens "
+                f"(prompt plus at least one generated token); shorten the prompt"
+            )
+        bs = self.pool.block_size
+        # +1 generated token, +1 block for a copy-on-write of a shared partial block
+        if math.ceil((n + 1) / bs) + 1 > self.pool.num_blocks:
+            capacity = (self.pool.num_blocks - 1) * bs - 1
+            raise PromptTooLong(
+                f"the prompt has {n} tokens but this replica's KV pool holds at most "
+                f"{capacity} prompt tokens ({self.pool.num_blocks} blocks of {bs}); "
+                "shorten the prompt or give the replica a larger KV cache"
+            )

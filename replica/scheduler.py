@@ -1,0 +1,309 @@
+"""Continuous batching: which sequences compute which tokens in the next forward.
+
+A sequence (one choice of a request) moves waiting → running → finished::
+
+    waiting   holds no blocks. Admission: prefix match (pins the cached blocks), allocate
+              blocks for every token it holds, copy the shared partial block if any.
+    running   each step computes tokens [num_computed, len(token_ids)):
+              prefill chunks under ``max_prefill_tokens_per_step``, and every decoding
+              sequence (one token left) in the same forward.
+    finished  commit the computed tokens' blocks to the cache, release them.
+
+Pool full while a decoder needs a block: preempt the most recently admitted other
+sequence (commit + release its blocks, back to the front of the queue, recompute later).
+Only pinned blocks are never evicted, and preemption only releases pins, so the pool
+always drains: no deadlock. A sequence that alone fills the pool ends with ``length``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from replica.attention import PagedBatch, SeqSlice, build_paged_batch
+from replica.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
+from replica.pool import BlockPool
+from replica.prefix_cache import CacheFull, PrefixCache, PrefixMatch
+from replica.request import Delta, RequestState, SequenceState
+from replica.sampling import make_generator, sample_token
+
+# (input_ids [T], batch, rows whose logits are wanted [K]) -> logits [K, V]
+ForwardFn = Callable[[torch.Tensor, PagedBatch, torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_prefill_tokens_per_step: int = 512
+    max_running: int = 64
+
+
+class Scheduler:
+    """Owned by the engine thread; nothing here is thread-safe."""
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        pool: BlockPool,
+        forward: ForwardFn,
+        config: SchedulerConfig,
+        max_context: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cache = cache
+        self.pool = pool
+        self.forward = forward
+        self.config = config
+        self.max_context = max_context
+        self.clock = clock
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # admission order: preempt from the end
+        self.requests: dict[str, RequestState] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------------- intake
+
+    def add(self, request: RequestState, decoder: TokenDecoder) -> None:
+        """Queue a new request. Choice 0 prefills; the others fork from it afterwards."""
+        for i in range(request.params.n):
+            request.sequences.append(
+                SequenceState(
+                    request=request,
+                    index=i,
+                    token_ids=list(request.prompt_token_ids),
+                    detokenizer=IncrementalDetokenizer(decoder),
+                    stop_matcher=StopStringMatcher(request.params.stop),
+                    generator=make_generator(request.params, i),
+                )
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request.sequences[0])
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.sequences:
+            if seq.finish_reason is not None:
+                continue
+            if seq in self.running:
+                self._free(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            request.sink.deliver(seq.finish("abort"))
+        self._close(request)
+
+    def abort_all(self) -> None:
+        for request_id in list(self.requests):
+            self.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(s.num_to_compute for s in self.waiting) + sum(
+            s.num_to_compute for s in self.running if s.num_to_compute > 1
+        )
+
+    # ------------------------------------------------------------------------- one step
+
+    def step(self) -> None:
+        """Schedule, run one forward, sample, finish. No-op when idle."""
+        for seq in list(self.running):
+            if seq in self.running and seq.num_to_compute == 1:
+                self._reserve_slot(seq)
+        plan: dict[int, int] = {id(s): 1 for s in self.running if s.num_to_compute == 1}
+        budget = self.config.max_prefill_tokens_per_step
+        for seq in self.running:
+            if budget > 0 and seq.num_to_compute > 1:
+                plan[id(seq)] = min(seq.num_to_compute, budget)
+                budget -= plan[id(seq)]
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            if math.ceil(len(seq.token_ids) / self.pool.block_size) > self.pool.num_blocks:
+                # It grew past the whole pool before it was preempted: it can never fit.
+                self.waiting.popleft()
+                self._emit(seq, seq.finish("length"))
+                continue
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            plan[id(seq)] = min(seq.num_to_compute, budget)
+            budget -= plan[id(seq)]
+        scheduled = [s for s in self.running if id(s) in plan]
+        if scheduled:
+            self._run(scheduled, plan)
+
+    def _run(self, scheduled: list[SequenceState], plan: dict[int, int]) -> None:
+        slices = [SeqSlice(s.block_ids, s.num_computed, plan[id(s)]) for s in scheduled]
+        batch = build_paged_batch(self.pool, slices)
+        input_ids: list[int] = []
+        rows: list[int] = []
+        sampling: list[SequenceState] = []
+        for seq, sl in zip(scheduled, slices, strict=True):
+            input_ids += seq.token_ids[sl.start : sl.start + sl.num_new]
+            if sl.start + sl.num_new == len(seq.token_ids):
+                rows.append(len(input_ids) - 1)
+                sampling.append(seq)
+        device = self.pool.device
+        logits = self.forward(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            batch,
+            torch.tensor(rows, dtype=torch.long, device=device),
+        )  # [K, V]
+        now = self.clock()
+        for seq in scheduled:
+            was_prefilling = seq.num_computed < seq.num_prompt
+            seq.num_computed += plan[id(seq)]
+            if was_prefilling and seq.num_computed >= seq.num_prompt:
+                self._prompt_done(seq, now)
+        for row, seq in enumerate(sampling):
+            request = seq.request
+            targets = [seq]
+            if not request.forked:
+                targets += self._fork(seq)
+            if request.first_token_at is None:
+                request.first_token_at = now
+            for target in targets:
+                token = sample_token(logits[row], request.params, target.generator)
+                self._emit(target, target.append_token(token, self.max_context))
+
+    # ------------------------------------------------------------------------- blocks
+
+    def _admit(self, seq: SequenceState) -> bool:
+        """Match the cache, take blocks for every token of ``seq``; False if the pool
+        cannot hold it now (it stays first in the queue)."""
+        request = seq.request
+        bs = self.pool.block_size
+        need_total = math.ceil(len(seq.token_ids) / bs)
+        hit = self.cache.match(seq.token_ids, request.salt)
+        partial = hit.cached_tokens % bs != 0
+        try:
+            fresh = self.cache.allocate(need_total - len(hit.block_ids) + int(partial))
+        except CacheFull:
+            self.cache.release(hit.block_ids)
+            if self.running:
+                return False  # running sequences will free blocks; retry next step
+            # Nothing else is pinned, so ``need_total <= num_blocks`` fresh blocks exist;
+            # only the extra copy-on-write block did not fit. Recompute without the hit.
+            hit = PrefixMatch([], 0)
+            partial = False
+            fresh = self.cache.allocate(need_total)
+        blocks = list(hit.block_ids)
+        if partial:
+            # The matched last block is shared and read-only: copy it before writing.
+            own = fresh.pop()
+            self.pool.copy_block(blocks[-1], own)
+            self.cache.release([blocks[-1]])
+            blocks[-1] = own
+        seq.block_ids = blocks + fresh
+        seq.num_computed = hit.cached_tokens
+        seq.shared_tail = False
+        if request.admitted_at is None:
+            request.admitted_at = self.clock()
+            request.cached_tokens = hit.cached_tokens
+        self.running.append(seq)
+        return True
+
+    def _reserve_slot(self, seq: SequenceState) -> None:
+        """Make sure position ``num_computed`` has a private block to be written into."""
+        bs = self.pool.block_size
+        index = seq.num_computed // bs
+        copy = seq.shared_tail and index == len(seq.block_ids) - 1
+        if index < len(seq.block_ids) and not copy:
+            return
+        while True:
+            try:
+                (block,) = self.cache.allocate(1)
+                break
+            except CacheFull:
+                victim = next((s for s in reversed(self.running) if s is not seq), None)
+                if victim is None:  # it alone fills the pool
+                    self._free(seq)
+                    self._emit(seq, seq.finish("length"))
+                    return
+                self._preempt(victim)
+        if copy:
+            old = seq.block_ids[-1]
+            self.pool.copy_block(old, block)
+            self.cache.release([old])
+            seq.block_ids[-1] = block
+            seq.shared_tail = False
+        else:
+            seq.block_ids.append(block)
+
+    def _fork(self, seq: SequenceState) -> list[SequenceState]:
+        """Choices 1..n-1 start from choice 0's computed prompt, sharing its blocks."""
+        request = seq.request
+        request.forked = True
+        children = request.sequences[1:]
+        shared = seq.num_computed % self.pool.block_size != 0
+        for child in children:
+            self.cache.pin(seq.block_ids)
+            child.block_ids = list(seq.block_ids)
+            child.num_computed = seq.num_computed
+            child.shared_tail = shared
+            self.running.append(child)
+        seq.shared_tail = shared and bool(children)
+        return children
+
+    def _prompt_done(self, seq: SequenceState, now: float) -> None:
+        """Publish the prompt's full blocks now, so concurrent requests can share them."""
+        if seq.request.prefilled_at is None:
+            seq.request.prefilled_at = now
+        full = seq.num_prompt // self.pool.block_size
+        if full:
+            self.cache.commit(
+                seq.token_ids[: full * self.pool.block_size], seq.block_ids[:full], seq.request.salt
+            )
+
+    def _preempt(self, seq: SequenceState) -> None:
+        self._free(seq)
+        seq.num_computed = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _free(self, seq: SequenceState) -> None:
+        """Commit what ``seq`` computed, then give its blocks back (in order)."""
+        n = seq.num_computed
+        used = math.ceil(n / self.pool.block_size)
+        if n:
+            self.cache.commit(seq.token_ids[:n], seq.block_ids[:used], seq.request.salt)
+        self.cache.release(seq.block_ids)
+        seq.block_ids = []
+        seq.shared_tail = False
+        self.running.remove(seq)
+
+    # ------------------------------------------------------------------------- output
+
+    def _emit(self, seq: SequenceState, delta: Delta) -> None:
+        request = seq.request
+        request.sink.deliver(delta)
+        if delta.finish_reason is None:
+            return
+        if seq in self.running:
+            self._free(seq)
+        if request.done:
+            self._close(request)
+
+    def _close(self, request: RequestState) -> None:
+        if self.requests.pop(request.request_id, None) is None:
+            return
+        request.finished_at = self.clock()
+        request.sink.close(request.output())
+
+    def check_invariants(self) -> None:
+        held = {b for s in self.running for b in s.block_ids}
+        assert all(not s.block_ids for s in self.waiting), "a waiting sequence holds blocks"
+        # Every pin belongs to a running sequence: nothing leaks, nothing is shared by luck.
+        assert self.cache.stats().pinned_blocks == len(held), "pinned blocks != held blocks"
+        for seq in self.running:
+            assert seq.finish_reason is None
+            assert len(seq.block_ids) * self.pool.block_size >= seq.num_computed
+        self.cache.check_invariants()
