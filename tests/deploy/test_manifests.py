@@ -100,8 +100,7 @@ def test_compose_gateway_is_published_and_knows_every_replica() -> None:
         for name, s in services.items()
         if name.startswith("replica-")
     }
-    command = gateway["command"]
-    assert {command[i + 1] for i, arg in enumerate(command) if arg == "--replica"} == replica_urls
+    assert set(gateway["environment"]["PREFIXGATE_REPLICA"].split(",")) == replica_urls
     for name, service in services.items():
         for dependency in service.get("depends_on", {}):
             assert dependency in services, f"{name} depends on unknown {dependency}"
