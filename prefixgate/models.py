@@ -113,6 +113,9 @@ def publish_dir(final: Path, build: Callable[[Path], None]) -> Path:
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared
         try:
             build(staging)
+            for built in staging.rglob("*"):
+                if built.is_file():  # some writers create private files; the cache is shared
+                    built.chmod(0o644)
             try:
                 staging.rename(final)
             except OSError:

@@ -1,0 +1,178 @@
+"""ChatTokenizer: torch-free, and id for id the same as transformers' tokenizer.
+
+The second property is the gateway/replica key-identity guarantee: the gateway hashes the
+ids this class produces, the replica caches under the ids of the same class, and both
+must equal what the model's own HF tokenizer would feed it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from prefixgate.gguf_tokenizer import read_gguf_metadata
+from prefixgate.models import ensure_tokenizer_dir, smollm2_gguf_path
+from prefixgate.tokenizer import ChatTemplateError, ChatTokenizer
+
+CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Count: 1, 22, 333, 4444."},
+        {"role": "assistant", "content": "1 22 333 4444"},
+        {"role": "user", "content": "And backwards?"},
+    ],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "empty system prompt"}],
+    [
+        {"role": "user", "content": "Ünïcödé — naïve café, 東京, emoji 🎉👩‍💻, RTL שלום"},
+        {"role": "assistant", "content": "  leading spaces\n\n\ttabs and trailing  "},
+        {"role": "user", "content": "special text <|im_end|> and <|im_start|> inline"},
+    ],
+    [{"role": "user", "content": "x" * 500 + " don't we'll I'M 3.14159"}],
+]
+
+TEXTS = [
+    "hello world",
+    "  two leading spaces, 2024-11-29 12:00",
+    "<|im_start|>user\nhi<|im_end|>",
+    "mixed 東京 🎉 text\r\nwith CRLF",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Path:
+    return ensure_tokenizer_dir("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def ours(tokenizer_dir: Path) -> ChatTokenizer:
+    return ChatTokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer_dir: Path) -> Iterator[PreTrainedTokenizerBase]:
+    yield AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_encode_chat_matches_transformers(
+    ours: ChatTokenizer,
+    reference: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+) -> None:
+    encoded: Any = reference.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    expected = encoded["input_ids"]
+    text: Any = reference.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    assert ours.apply_chat_template(messages, add_generation_prompt) == text
+    assert ours.encode_chat(messages, add_generation_prompt) == expected
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_and_decode_match_transformers(
+    ours: ChatTokenizer, reference: PreTrainedTokenizerBase, text: str
+) -> None:
+    ids = reference(text).input_ids
+    assert ours.encode(text) == ids
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(
+            ids, skip_special_tokens=skip
+        )
+
+
+@pytest.mark.slow  # transformers' GGUF reader imports torch: ~10 s on a busy machine
+def test_extracted_tokenizer_matches_transformers_gguf_reading(ours: ChatTokenizer) -> None:
+    """Our struct-based GGUF extraction against transformers' own GGUF tokenizer loader.
+
+    Digits are left out of the texts on purpose: transformers has no split rule for the
+    file's "smollm" pre-tokenizer and falls back to GPT-2's, which keeps digit runs whole,
+    while SmolLM2 (and llama.cpp) split every digit; both agree everywhere else.
+    """
+    gguf = smollm2_gguf_path()
+    from_gguf = AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
+    for text in ["hello world", "<|im_start|>user\nça va? 東京 🎉<|im_end|>", " it's  odd\n\n"]:
+        assert ours.encode(text) == from_gguf(text).input_ids
+    assert ours.chat_template == from_gguf.chat_template
+    assert ours.vocab_size == len(from_gguf)
+
+
+def test_special_tokens_and_metadata(ours: ChatTokenizer) -> None:
+    assert ours.eos_token_ids == [ours.token_to_id("<|im_end|>")]
+    assert ours.bos_token_id == ours.token_to_id("<|im_start|>")
+    assert ours.vocab_size == 49152
+    # Every digit on its own, as SmolLM2 was trained.
+    assert [ours.decode([i]) for i in ours.encode("2024")] == ["2", "0", "2", "4"]
+    ids = ours.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == ours.bos_token_id  # the template writes <|im_start|> itself
+    assert ours.decode(ids, skip_special_tokens=True).endswith("assistant\n")
+
+
+def test_gguf_metadata_reader() -> None:
+    metadata = read_gguf_metadata(smollm2_gguf_path())
+    assert metadata["general.architecture"] == "llama"
+    assert metadata["llama.block_count"] == 30
+    assert len(metadata["tokenizer.ggml.tokens"]) == 49152
+    assert (
+        metadata["tokenizer.ggml.tokens"][metadata["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
+    )
+
+
+def test_template_exception_is_an_openai_error(tmp_path: Path, tokenizer_dir: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] | tojson }}{{ eos_token }}{% endfor %}"
+    )
+    strict = ChatTokenizer.from_dir(tmp_path)
+    with pytest.raises(ChatTemplateError, match="first must be user") as raised:
+        strict.encode_chat([{"role": "assistant", "content": "x"}])
+    assert raised.value.status == 400 and raised.value.param == "messages"
+    # tojson keeps non-ASCII and HTML characters as they are, like transformers' filter.
+    rendered = strict.apply_chat_template([{"role": "user", "content": "é <b>"}])
+    assert rendered == '"é <b>"<|im_end|>'
+
+
+def test_template_from_tokenizer_config_and_missing_template(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTokenizer.from_dir(tmp_path).encode_chat([{"role": "user", "content": "x"}])
+    config["chat_template"] = [{"name": "default", "template": "{{ bos_token }}"}]
+    config["bos_token"] = {"content": "<|im_start|>", "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTokenizer.from_dir(tmp_path).apply_chat_template([]) == "<|im_start|>"
+
+
+def test_gateway_side_never_imports_torch() -> None:
+    script = (
+        "import sys\n"
+        "from prefixgate.tokenizer import ChatTokenizer\n"
+        "tok = ChatTokenizer.for_model('smollm2-135m')\n"
+        "assert tok.encode_chat([{'role': 'user', 'content': 'hi'}])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ)
+    )
+    assert result.returncode == 0, result.stderr
