@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.auth import derived_salt
 from prefixgate.procs import free_port
@@ -72,7 +73,9 @@ def last_request(server: Server) -> dict:
     return httpx.get(server.url + "/stub/requests").json()[-1]
 
 
-CHAT = [{"role": "user", "content": "hello from the gateway tests"}]
+CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "hello from the gateway tests"}
+]
 
 
 def test_chat_and_completions_pass_through(stack: Stack) -> None:

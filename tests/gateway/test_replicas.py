@@ -1,0 +1,176 @@
+"""The gateway in front of two real tiny-random replicas and a real Redis, driven by the
+official openai client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+from openai.types.chat import ChatCompletionMessageParam
+
+from gateway.auth import derived_salt
+from prefixgate.tokenizer import ChatTokenizer
+from router.protocol import BlockEvent, KeySpace, events_stream_key, short_key
+from tests.conftest import RedisServer
+from tests.gateway.conftest import Server, start_gateway, start_replica, write_api_keys
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = "tiny-random"
+SYSTEM = "You are a helpful assistant who answers briefly. " * 6
+
+
+class Cluster:
+    def __init__(self, root: Path, redis_url: str) -> None:
+        flags = ["--num-blocks", "256", "--redis-url", redis_url]
+        self.replicas = [
+            start_replica(root, f"replica{i}", *flags, "--replica-id", f"r{i}") for i in range(2)
+        ]
+        urls = [r.url for r in self.replicas]
+        self.open_gw = start_gateway(root, "gw-open", urls, "--redis-url", redis_url)
+        keys = write_api_keys(root / "keys.json")
+        self.keyed_gw = start_gateway(
+            root, "gw-keyed", urls, "--redis-url", redis_url, "--api-keys", str(keys)
+        )
+
+    def replica_by_header(self, value: str) -> Server:
+        return next(r for r in self.replicas if r.url.endswith(value) or value in r.url)
+
+    def stop(self) -> None:
+        for server in [self.open_gw, self.keyed_gw, *self.replicas]:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer
+) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("gw-replicas"), module_redis.url)
+    yield c
+    c.stop()
+
+
+def gw(cluster: Cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.open_gw.url + "/v1", api_key="x", max_retries=0)
+
+
+def chat(question: str) -> list[ChatCompletionMessageParam]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def test_chat_completions_stop_and_max_tokens(cluster: Cluster) -> None:
+    c = gw(cluster)
+    out = c.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=5, seed=1)
+    assert out.usage is not None and out.usage.completion_tokens <= 5
+    text = c.completions.create(model=MODEL, prompt="The cache", max_tokens=6, temperature=0)
+    assert text.choices[0].finish_reason in {"length", "stop"}
+    full = text.choices[0].text
+    if len(full) > 2:
+        stop = full[1:3]
+        cut = c.completions.create(
+            model=MODEL, prompt="The cache", max_tokens=6, temperature=0, stop=[stop]
+        )
+        assert stop not in cut.choices[0].text
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=chat("stream please"),
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 4
+
+
+def test_repeated_conversation_hits_the_cache_on_the_same_replica(cluster: Cluster) -> None:
+    c = gw(cluster)
+    first = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat("repeat me"), max_tokens=2
+    )
+    second = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat("repeat me"), max_tokens=2
+    )
+    assert first.headers["x-prefixgate-replica"] == second.headers["x-prefixgate-replica"]
+    assert "x-request-id" in second.headers
+    usage = second.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) >= 16
+
+
+def test_gateway_keys_equal_the_replica_keys(cluster: Cluster, module_redis: RedisServer) -> None:
+    question = f"key check {time.time()}"
+    raw = gw(cluster).chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat(question), max_tokens=1
+    )
+    replica = raw.headers["x-prefixgate-replica"]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    tokens = ChatTokenizer.for_model(MODEL).encode_chat(messages, add_generation_prompt=True)
+    expected = [short_key(k) for k in KeySpace(MODEL, 16, "").keys(tokens)]
+    assert (
+        raw.headers["x-prefixgate-route"]
+        .split("matched=")[1]
+        .split(";")[0]
+        .endswith(f"/{len(expected)}")
+    )
+    r = redis.Redis.from_url(module_redis.url)
+    stored: set[bytes] = set()
+    deadline = time.monotonic() + 10
+    while not set(expected) <= stored and time.monotonic() < deadline:
+        for rid in ("r0", "r1"):
+            for _, fields in r.xrange(events_stream_key(rid)) or []:
+                event = BlockEvent.decode(fields)  # type: ignore[arg-type]
+                if event.type == "stored":
+                    stored.update(event.keys)
+        time.sleep(0.05)  # polling the stream for the replica's asynchronous publish
+    assert set(expected) <= stored, f"replica {replica} did not store the gateway's keys"
+
+
+def test_tenants_do_not_share_cached_prefixes(cluster: Cluster) -> None:
+    def ask(key: str) -> openai.types.CompletionUsage:
+        c = openai.OpenAI(base_url=cluster.keyed_gw.url + "/v1", api_key=key, max_retries=0)
+        out = c.chat.completions.create(model=MODEL, messages=chat("tenant secret"), max_tokens=1)
+        assert out.usage is not None
+        return out.usage
+
+    ask("sk-alpha")
+    warm = ask("sk-alpha")
+    assert (
+        warm.prompt_tokens_details is not None
+        and (warm.prompt_tokens_details.cached_tokens or 0) > 0
+    )
+    other = ask("sk-beta")
+    assert other.prompt_tokens_details is not None
+    assert other.prompt_tokens_details.cached_tokens == 0
+    assert derived_salt("alpha") != derived_salt("beta")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(
+            base_url=cluster.keyed_gw.url + "/v1", api_key="bad", max_retries=0
+        ).chat.completions.create(model=MODEL, messages=chat("x"), max_tokens=1)
+
+
+def test_client_disconnect_frees_the_replica_blocks(cluster: Cluster) -> None:
+    body = {"model": MODEL, "messages": chat("long answer"), "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", cluster.open_gw.url + "/v1/chat/completions", json=body) as r:
+        replica = cluster.replica_by_header(r.headers["x-prefixgate-replica"])
+        next(r.iter_raw())  # the first chunk arrived: generation is running
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if httpx.get(replica.url + "/cache/stats").json()["pinned_blocks"] == 0:
+            break
+        time.sleep(0.05)  # polling the replica's stats
+    assert httpx.get(replica.url + "/cache/stats").json()["pinned_blocks"] == 0
+
+
+def test_a_replica_killed_mid_run_fails_no_plain_request(cluster: Cluster) -> None:
+    c = gw(cluster)
+    victim = cluster.replicas[1]
+    for i in range(6):
+        if i == 2:
+            victim.stop()
+        out = c.completions.create(model=MODEL, prompt=f"survive {i}", max_tokens=2)
+        assert out.choices
