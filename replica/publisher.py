@@ -175,7 +175,9 @@ class Publisher:
             self.config.redis_url,
             socket_timeout=self.config.redis_timeout_s,
             socket_connect_timeout=self.config.redis_timeout_s,
-            retry=Retry(NoBackoff(), 0),  # we back off ourselves, without blocking writes
+            # One immediate retry reconnects a pooled connection that went stale across a
+            # Redis restart; beyond that we back off ourselves, without blocking writes.
+            retry=Retry(NoBackoff(), 1),
         )
         self._wake.set()
         self._tasks = [

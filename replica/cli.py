@@ -1,0 +1,159 @@
+"""``prefixgate replica``: serve one model on one device with an OpenAI API (like ``vllm serve``).
+
+Every flag can also come from the environment: ``--kv-cache-mb`` from
+``PREFIXGATE_KV_CACHE_MB`` and so on (a flag on the command line wins). Binds to
+127.0.0.1 unless ``--host`` says otherwise. SIGTERM stops accepting connections, lets
+in-flight requests finish for ``--grace-s`` seconds, cancels the rest and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+log = logging.getLogger("prefixgate.replica")
+
+ENV_PREFIX = "PREFIXGATE_"
+
+
+def _flag(
+    parser: argparse.ArgumentParser,
+    name: str,
+    type_: type,
+    default: Any,
+    help_: str,
+    choices: list[str] | None = None,
+) -> None:
+    """``--name`` with its default taken from ``PREFIXGATE_NAME`` when that is set."""
+    env_name = ENV_PREFIX + name.upper().replace("-", "_")
+    raw = os.environ.get(env_name)
+    value = type_(raw) if raw is not None and raw != "" else default
+    parser.add_argument(
+        f"--{name}",
+        type=type_,
+        default=value,
+        choices=choices,
+        help=f"{help_} (env {env_name}; default {default})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixgate replica", description="Serve one model replica with an OpenAI API."
+    )
+    _flag(p, "model", str, "smollm2-135m", "builtin model name or local HF folder")
+    _flag(p, "served-model-name", str, None, "model name clients send (default: --model)")
+    _flag(p, "host", str, "127.0.0.1", "interface to bind")
+    _flag(p, "port", int, 8101, "port to bind")
+    _flag(p, "device", str, "cpu", "cpu or cuda:N")
+    _flag(p, "dtype", str, None, "float32, bfloat16 or float16 (default: the model's)")
+    _flag(p, "kv-cache-mb", int, None, "KV block pool size in MiB")
+    _flag(p, "num-blocks", int, None, "KV block pool size in blocks (instead of --kv-cache-mb)")
+    _flag(p, "block-size", int, 16, "tokens per KV block")
+    _flag(p, "max-running", int, 64, "most requests in the running batch")
+    _flag(p, "max-waiting", int, 256, "most requests waiting; more get 503 + Retry-After")
+    _flag(p, "max-prefill-tokens", int, 512, "prefill token budget per engine step")
+    _flag(p, "eviction-policy", str, None, "prefix cache eviction", ["lru", "sink_lru", "h2o"])
+    _flag(p, "ttl-s", float, None, "drop unpinned cached blocks idle this long")
+    _flag(p, "redis-url", str, None, "publish registry, load and block events to this Redis")
+    _flag(p, "replica-id", str, None, "id in Redis (default: host:port of --advertise-url)")
+    _flag(p, "advertise-url", str, None, "URL gateways should call (default http://host:port)")
+    _flag(p, "heartbeat-s", float, 1.0, "registry heartbeat interval")
+    _flag(p, "grace-s", float, 10.0, "on SIGTERM, how long in-flight requests may finish")
+    _flag(p, "log-level", str, "info", "logging level", ["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.kv_cache_mb is not None and args.num_blocks is not None:
+        print("prefixgate replica: give --kv-cache-mb or --num-blocks, not both", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Imported here: they pull in torch, which `prefixgate --help` should not pay for.
+    import uvicorn
+
+    from replica.engine import Engine, EngineConfig
+    from replica.metrics import ReplicaMetrics
+    from replica.models import load_model
+    from replica.publisher import Publisher, PublisherConfig
+    from replica.server import Replica, create_app
+
+    advertise_url = args.advertise_url or f"http://{args.host}:{args.port}"
+    replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"
+
+    started = time.perf_counter()
+    log.info("loading model %s on %s (dtype %s)", args.model, args.device, args.dtype or "auto")
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    log.info("model %s loaded in %.1f s", loaded.name, time.perf_counter() - started)
+
+    served_name = args.served_model_name or args.model
+    # The cache's keys are rooted in the model's name and gateways compute keys from the
+    # name clients send: they must be the same string.
+    loaded = dataclasses.replace(loaded, name=served_name)
+    publisher = None
+    if args.redis_url:
+        publisher = Publisher(
+            PublisherConfig(
+                redis_url=args.redis_url,
+                replica_id=replica_id,
+                url=advertise_url,
+                model=served_name,
+                block_size=args.block_size,
+                heartbeat_s=args.heartbeat_s,
+            )
+        )
+    engine = Engine(
+        loaded,
+        EngineConfig(
+            num_blocks=args.num_blocks,
+            kv_cache_mb=args.kv_cache_mb,
+            block_size=args.block_size,
+            max_prefill_tokens_per_step=args.max_prefill_tokens,
+            max_running=args.max_running,
+            max_waiting=args.max_waiting,
+            eviction_policy=args.eviction_policy,
+            ttl_s=args.ttl_s,
+        ),
+        listener=publisher,
+    )
+    stats = engine.cache.stats()
+    log.info(
+        "KV pool: %d blocks of %d tokens; replica id %s, advertised at %s, redis %s",
+        stats.total_blocks,
+        args.block_size,
+        replica_id,
+        advertise_url,
+        args.redis_url or "off",
+    )
+    metrics = ReplicaMetrics(load=engine.load)
+    replica = Replica(loaded, engine, served_name, metrics, publisher)
+    app = create_app(replica)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(max(1, args.grace_s)),
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
+    # this handler in place that re-raise is a no-op and the process exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run()
+    if not server.started:
+        log.error("server did not start (is port %d free?)", args.port)
+        return 1
+    log.info("replica %s exited cleanly", replica_id)
+    return 0

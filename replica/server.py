@@ -1,0 +1,323 @@
+"""The replica's HTTP face: an OpenAI-compatible API over one engine, plus operations.
+
+``create_app(replica)`` wires a loaded model, its running engine, metrics and (optionally)
+the Redis publisher into a FastAPI app. Request handling is async; the model runs in the
+engine's own thread and never blocks the event loop. Everything a user sees when a request
+is refused is an OpenAI error envelope (``prefixgate.wire``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from prefixgate.wire import OpenAIError, error_body
+from replica import openai_format as fmt
+from replica.jobs import Job, JobClock, job_from_chat, job_from_completion
+from replica.metrics import ReplicaMetrics
+from replica.publisher import Publisher
+from replica.request import PromptTooLong, QueueFull, RequestOutput
+
+log = logging.getLogger("prefixgate.replica.server")
+
+_REQUEST_ID_OK = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
+
+
+@dataclass(slots=True)
+class Replica:
+    """What the app serves: the loaded model, its engine and the side channels."""
+
+    loaded: Any  # replica.models.LoadedModel (imported lazily: it pulls in torch)
+    engine: Any  # replica.engine.Engine
+    served_model_name: str
+    metrics: ReplicaMetrics
+    publisher: Publisher | None = None
+    engine_stop_timeout_s: float = 5.0
+
+    @property
+    def model_ids(self) -> list[str]:
+        names = [self.served_model_name]
+        if self.loaded.name != self.served_model_name:
+            names.append(self.loaded.name)
+        return names
+
+
+class RequestIdMiddleware:
+    """Accept ``x-request-id`` (or make one), keep it in ``request.state``, echo it back."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID_OK.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(replica: Replica) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not replica.engine.alive:
+            replica.engine.start()
+        if replica.publisher is not None:
+            await replica.publisher.start(replica.engine.load)
+        log.info("replica serving %s", ", ".join(replica.model_ids))
+        try:
+            yield
+        finally:
+            if replica.publisher is not None:
+                await replica.publisher.stop()
+            await asyncio.to_thread(replica.engine.stop, replica.engine_stop_timeout_s)
+            log.info("replica stopped")
+
+    app = FastAPI(title="prefixgate replica", lifespan=lifespan)
+    app.state.replica = replica
+    app.add_middleware(RequestIdMiddleware)
+    metrics = replica.metrics
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        metrics.request_errors.labels(code=exc.code or exc.type).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        body = error_body(str(exc.detail), code=code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        metrics.request_errors.labels(code="internal_error").inc()
+        body = error_body(f"internal error: {exc}", type="server_error", code="internal_error")
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if replica.loaded is not None and replica.engine.alive:
+            return JSONResponse({"status": "ok", "model": replica.served_model_name})
+        return JSONResponse({"status": "unavailable", "engine_alive": False}, status_code=503)
+
+    @app.get("/cache/stats")
+    async def cache_stats() -> dict[str, Any]:
+        stats: dict[str, Any] = replica.engine.cache_stats().as_dict()
+        if replica.publisher is not None:
+            p = replica.publisher.stats
+            stats["publisher"] = {
+                "seq": p.seq,
+                "connected": p.connected,
+                "events_published": p.events_published,
+                "events_dropped": p.events_dropped,
+                "snapshots_written": p.snapshots_written,
+                "outages": p.outages,
+            }
+        return stats
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return fmt.model_list(replica.model_ids, fmt.now(), replica.loaded.max_context)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _json_body(request)
+        job = job_from_chat(body, replica)
+        return await _run(job, request, replica)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _json_body(request)
+        job = job_from_completion(body, replica)
+        return await _run(job, request, replica)
+
+    return app
+
+
+async def _json_body(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(
+            f"request body is not valid JSON: {exc}", code="invalid_json", param=None
+        ) from exc
+
+
+def _submit(job: Job, replica: Replica) -> Any:
+    try:
+        return replica.engine.submit(
+            job.prompt_ids, job.params, salt=job.salt, request_id=job.engine_request_id
+        )
+    except QueueFull as exc:
+        raise OpenAIError(
+            f"the replica's waiting queue is full ({exc}); retry shortly",
+            status=503,
+            type="server_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from exc
+    except RuntimeError as exc:  # the engine is stopping (SIGTERM): go elsewhere
+        raise OpenAIError(
+            f"the replica is shutting down ({exc}); retry on another replica",
+            status=503,
+            type="server_error",
+            code="shutting_down",
+            headers={"Retry-After": "1"},
+        ) from exc
+    except PromptTooLong as exc:
+        raise OpenAIError(
+            str(exc), param="messages" if job.chat else "prompt", code="context_length_exceeded"
+        ) from exc
+    except ValueError as exc:
+        raise OpenAIError(str(exc), code="invalid_value") from exc
+
+
+async def _run(job: Job, request: Request, replica: Replica) -> Response:
+    clock = JobClock(start=time.perf_counter())
+    handle = _submit(job, replica)
+    if job.stream:
+        return StreamingResponse(
+            _stream(job, handle, clock, replica),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    collect = asyncio.create_task(_collect(handle, clock, replica))
+    gone = asyncio.create_task(_client_gone(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not collect.done():
+            # The client left (or we are cancelled by shutdown): free the blocks now.
+            replica.engine.cancel(job.engine_request_id)
+            collect.cancel()
+        gone.cancel()
+    if not collect.done() or collect.cancelled():
+        return Response(status_code=499)
+    output = collect.result()
+    _observe(job, output, clock, replica)
+    return JSONResponse(_full_body(job, output))
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(handle: Any, clock: JobClock, replica: Replica) -> RequestOutput:
+    async for delta in handle:
+        clock.tick(len(delta.token_ids), replica.metrics)
+    return _output(handle)
+
+
+def _output(handle: Any) -> RequestOutput:
+    """The finished request's output; the delta stream has been consumed to its end."""
+    output: RequestOutput | None = handle.output
+    assert output is not None, "the stream ended, so the engine closed the handle"
+    return output
+
+
+def _full_body(job: Job, output: RequestOutput) -> dict[str, Any]:
+    choices = [
+        fmt.Choice(c.index, job.echo_prefix + c.text, c.finish_reason) for c in output.choices
+    ]
+    use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+    build = fmt.chat_completion if job.chat else fmt.text_completion
+    return build(job.response_id, job.model, job.created, choices, use)
+
+
+async def _stream(job: Job, handle: Any, clock: JobClock, replica: Replica) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        for index in range(job.params.n):
+            if job.chat:
+                yield fmt.sse(
+                    fmt.chat_chunk(
+                        job.response_id, job.model, job.created, index, role="assistant", content=""
+                    )
+                )
+            elif job.echo_prefix:
+                yield fmt.sse(
+                    fmt.text_chunk(
+                        job.response_id, job.model, job.created, index, job.echo_prefix, None
+                    )
+                )
+        async for delta in handle:
+            clock.tick(len(delta.token_ids), replica.metrics)
+            if not delta.text and delta.finish_reason is None:
+                continue
+            if job.chat:
+                chunk = fmt.chat_chunk(
+                    job.response_id,
+                    job.model,
+                    job.created,
+                    delta.index,
+                    content=delta.text or None,
+                    finish_reason=delta.finish_reason,
+                )
+            else:
+                chunk = fmt.text_chunk(
+                    job.response_id,
+                    job.model,
+                    job.created,
+                    delta.index,
+                    delta.text,
+                    delta.finish_reason,
+                )
+            yield fmt.sse(chunk)
+        output = _output(handle)
+        finished = True
+        _observe(job, output, clock, replica)
+        if job.include_usage:
+            use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+            obj = "chat.completion.chunk" if job.chat else "text_completion"
+            yield fmt.sse(fmt.usage_chunk(job.response_id, job.model, job.created, obj, use))
+        yield fmt.SSE_DONE
+    finally:
+        if not finished:
+            # Client gone (the generator is cancelled or closed): free the blocks at once.
+            replica.engine.cancel(job.engine_request_id)
+
+
+def _observe(job: Job, output: RequestOutput, clock: JobClock, replica: Replica) -> None:
+    t = output.timings
+    replica.metrics.observe_finished(
+        prompt_tokens=output.prompt_tokens,
+        cached_tokens=output.cached_tokens,
+        generation_tokens=output.completion_tokens,
+        finish_reasons=[c.finish_reason for c in output.choices],
+        e2e_s=time.perf_counter() - clock.start,
+        queued_s=t.queued_s,
+        prefill_s=t.prefill_s,
+    )

@@ -1,0 +1,310 @@
+"""One real tiny-random replica under uvicorn, driven with the official openai client.
+
+One replica process and one Redis for the whole module (see conftest.py). The last test
+restarts Redis, so it stays last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from router.protocol import (
+    REPLICAS_SET,
+    BlockEvent,
+    KeySpace,
+    ReplicaInfo,
+    decode_snapshot,
+    events_stream_key,
+    replica_info_key,
+    short_key,
+    snapshot_key,
+)
+from tests.conftest import RedisServer
+from tests.replica.conftest import MODEL, ReplicaProcess, until
+
+SYSTEM = (
+    "You are a careful assistant for a logistics company. Answer in one short sentence, "
+    "cite the policy section you used, and never invent tracking numbers or dates. "
+) * 3
+
+
+def _chat(client: openai.OpenAI, question: str, **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=kwargs.pop("max_tokens", 8),
+        temperature=kwargs.pop("temperature", 0.0),
+        **kwargs,
+    )
+
+
+def _replica_id(replica: ReplicaProcess) -> str:
+    return f"127.0.0.1:{replica.port}"
+
+
+def _events(client: redis.Redis, replica_id: str) -> list[BlockEvent]:
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(events_stream_key(replica_id))  # type: ignore[assignment]
+    return [BlockEvent.decode(fields) for _, fields in entries]
+
+
+def test_models_and_health(replica: ReplicaProcess) -> None:
+    ids = [m.id for m in replica.client().models.list().data]
+    assert ids == [MODEL]
+    health = replica.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_chat_repeated_prompt_reports_cached_tokens(replica: ReplicaProcess) -> None:
+    client = replica.client()
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where?"}],
+        max_tokens=6,
+        temperature=0.0,
+        extra_headers={"x-request-id": "req-abc-123"},
+    )
+    assert raw.headers["x-request-id"] == "req-abc-123"
+    first = raw.parse()
+    assert first.object == "chat.completion"
+    assert first.id.startswith("chatcmpl-")
+    assert first.model == MODEL
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage is not None and first.usage.prompt_tokens > 64
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+
+    second = _chat(client, "Where?", max_tokens=6)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= 64
+    assert cached < second.usage.prompt_tokens  # at least one prompt token is computed
+    # Greedy output is the same with and without the cache.
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+    # Without x-request-id the server makes one up.
+    generated = client.models.with_raw_response.list().headers.get("x-request-id")
+    assert generated and generated != "req-abc-123"
+
+
+def test_cache_salt_isolates_tenants(replica: ReplicaProcess) -> None:
+    client = replica.client()
+    _chat(client, "Salted?", extra_body={"cache_salt": "tenant-a"})
+    other = _chat(client, "Salted?", extra_body={"cache_salt": "tenant-b"})
+    same = _chat(client, "Salted?", extra_body={"cache_salt": "tenant-a"})
+    assert other.usage is not None and other.usage.prompt_tokens_details is not None
+    assert same.usage is not None and same.usage.prompt_tokens_details is not None
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert (same.usage.prompt_tokens_details.cached_tokens or 0) >= 64
+
+
+def test_async_streaming_matches_non_streaming(replica: ReplicaProcess) -> None:
+    expected = _chat(replica.client(), "Stream it", max_tokens=12).choices[0].message.content
+
+    async def stream() -> tuple[str, list[Any]]:
+        client = replica.async_client()
+        chunks = []
+        async for chunk in await client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Stream it"},
+            ],
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"unknown_field_is_ignored": True},
+        ):
+            chunks.append(chunk)
+        await client.close()
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks
+
+    text, chunks = asyncio.run(stream())
+    assert text == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 12 or finishes[-1] == "stop"
+    assert last.usage.prompt_tokens_details is not None
+    assert (last.usage.prompt_tokens_details.cached_tokens or 0) >= 64
+
+
+def test_raw_sse_ends_with_done(replica: ReplicaProcess) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", replica.url + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_completions_token_ids_n_seed_and_stop(replica: ReplicaProcess) -> None:
+    client = replica.client()
+    prompt = list(range(1000, 1040))
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert greedy.object == "text_completion"
+    text = greedy.choices[0].text
+    assert greedy.usage is not None and greedy.usage.prompt_tokens == 40
+
+    # A stop string taken from the middle of the greedy text cuts the output before it.
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    if stop.strip():
+        cut = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop]
+        )
+        assert cut.choices[0].finish_reason == "stop"
+        assert stop not in cut.choices[0].text
+        assert text.startswith(cut.choices[0].text)
+
+    sampled = [
+        client.completions.create(
+            model=MODEL, prompt="The weather", max_tokens=10, temperature=1.0, seed=7, n=2
+        )
+        for _ in range(2)
+    ]
+    assert [c.index for c in sampled[0].choices] == [0, 1]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+
+    echo = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True)
+    assert echo.choices[0].text.startswith("Echo me")
+
+
+def test_cache_stats_and_metrics(replica: ReplicaProcess) -> None:
+    _chat(replica.client(), "Metrics?")
+    stats = replica.cache_stats()
+    for field in ("queries", "hits", "misses", "hit_rate", "evictions", "total_blocks"):
+        assert field in stats
+    assert stats["total_blocks"] == 256
+    assert stats["free_blocks"] + stats["used_blocks"] == 256
+    assert stats["pinned_blocks"] == 0
+    assert stats["queries"] > 0 and stats["hits"] > 0
+    assert replica.metric("prefixgate:prompt_tokens_total") > 0
+    assert replica.metric("prefixgate:generation_tokens_total") > 0
+    assert replica.metric("prefixgate:prefix_cache_hits_total") > 0
+    assert replica.metric("prefixgate:prefix_cache_queries_total") >= replica.metric(
+        "prefixgate:prefix_cache_hits_total"
+    )
+    assert replica.metric("prefixgate:request_success_total") > 0
+    assert replica.metric("prefixgate:time_to_first_token_seconds_count") > 0
+    assert replica.metric("prefixgate:inter_token_latency_seconds_count") > 0
+    assert replica.metric("prefixgate:e2e_request_latency_seconds_count") > 0
+    assert replica.metric("prefixgate:num_requests_running") == 0
+    assert 0 < replica.metric("prefixgate:kv_cache_usage_perc") <= 1
+
+
+def test_registry_events_and_snapshot_in_redis(
+    replica: ReplicaProcess, module_redis: RedisServer
+) -> None:
+    client = redis.Redis.from_url(module_redis.url)
+    rid = _replica_id(replica)
+    assert client.sismember(REPLICAS_SET, rid)
+    info = ReplicaInfo.decode(client.get(replica_info_key(rid)))  # type: ignore[arg-type]
+    assert (info.url, info.model, info.block_size) == (replica.url, MODEL, 16)
+    assert info.load.total_blocks == 256
+    assert client.pttl(replica_info_key(rid)) > 0  # expires unless refreshed
+
+    prompt = list(range(2000, 2000 + 16 * 5 + 3))  # five full blocks and a partial tail
+    replica.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    expected = [short_key(k) for k in KeySpace(MODEL, 16).keys(prompt)]
+
+    def stored() -> set[bytes]:
+        return {k for e in _events(client, rid) if e.type == "stored" for k in e.keys}
+
+    until(lambda: set(expected) <= stored(), what="stored events for the prompt's blocks")
+    events = _events(client, rid)
+    assert [e.seq for e in events] == list(range(events[0].seq, events[0].seq + len(events)))
+    # The chain arrives parents first: each expected key's parent is the key before it.
+    parents: dict[bytes, bytes | None] = {}
+    for e in events:
+        if e.type == "stored":
+            prev = e.parent
+            for k in e.keys:
+                parents[k] = prev
+                prev = k
+    assert parents[expected[0]] is None
+    assert all(parents[expected[i]] == expected[i - 1] for i in range(1, len(expected)))
+
+    def snapshot_has_prompt() -> bool:
+        raw = client.get(snapshot_key(rid))
+        if raw is None:
+            return False
+        snap = decode_snapshot(raw)  # type: ignore[arg-type]
+        return set(expected) <= {b.key for b in snap.blocks}
+
+    until(snapshot_has_prompt, timeout=20, what="snapshot holding the prompt")
+
+
+def test_streaming_disconnect_frees_blocks(replica: ReplicaProcess) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": list(range(3000, 3100)),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", replica.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert replica.cache_stats()["pinned_blocks"] > 0
+    until(lambda: replica.cache_stats()["pinned_blocks"] == 0, what="no pinned blocks")
+    assert replica.metric("prefixgate:num_requests_running") == 0
+
+
+def test_non_streaming_disconnect_frees_blocks(replica: ReplicaProcess) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": list(range(4000, 4100)),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(replica.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
+    until(lambda: replica.cache_stats()["pinned_blocks"] == 0, what="no pinned blocks")
+    assert replica.metric("prefixgate:num_requests_running") == 0
+
+
+def test_redis_restart_mid_run_loses_no_request(
+    replica: ReplicaProcess, module_redis: RedisServer
+) -> None:
+    client = replica.client()
+
+    def one(i: int) -> int:
+        out = _chat(client, f"Question {i}?", max_tokens=4)
+        return len(out.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(one, i) for i in range(6)]
+        module_redis.stop()
+        futures += [pool.submit(one, i) for i in range(6, 12)]
+        until(lambda: replica.cache_stats()["publisher"]["connected"] is False, what="outage")
+        module_redis.start()
+        futures += [pool.submit(one, i) for i in range(12, 16)]
+        assert [f.result(timeout=60) for f in futures] == [1] * 16
+
+    # Back: a fresh snapshot that folds in every event so far, and the registry record.
+    rclient = redis.Redis.from_url(module_redis.url)
+    rid = _replica_id(replica)
+
+    def resynced() -> bool:
+        raw = rclient.get(snapshot_key(rid))
+        seq = replica.cache_stats()["publisher"]["seq"]
+        return raw is not None and decode_snapshot(raw).seq == seq  # type: ignore[arg-type]
+
+    until(resynced, timeout=20, what="fresh snapshot after the Redis restart")
+    until(lambda: rclient.exists(replica_info_key(rid)) == 1, what="registry record back")
+    assert replica.cache_stats()["publisher"]["outages"] == 1
+    assert "unreachable" in replica.log_tail(200_000)
