@@ -1,0 +1,386 @@
+"""The headline live experiment: a real local cluster per policy, every workload on it.
+
+For each workload the KV cache of every replica is sized to hold about a third of the
+workload's distinct prefix blocks (counted with the real tokenizer and chat template, the
+assistant turns filled with text of the requested length), so that where a request lands
+decides whether its prefix is cached. Then, for each policy, a fresh ``prefixgate up``
+cluster replays each workload; its per-replica ``/cache/stats`` are read around each
+replay; the cluster is stopped. The hit rate is compared with the simulated oracle's
+(one replica with N× capacity) when the simulator is available.
+
+    prefixgate bench live --replicas 4 --model tiny-random \\
+        --policies cache_aware,round_robin,consistent_hash,least_loaded \\
+        --workloads agents,multi_turn_chat --out-dir docs/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from loadtest.replay import ReplayConfig, run_replay
+from prefixgate.procs import free_port, stop_process, wait_http_ok
+from router.protocol import DEFAULT_BLOCK_SIZE, KeySpace
+
+if TYPE_CHECKING:
+    from loadtest.workloads import Session
+
+DEFAULT_POLICIES = "cache_aware,round_robin,consistent_hash,least_loaded"
+DEFAULT_WORKLOADS = "agents,multi_turn_chat"
+
+# Sized so that 8 clusters (4 policies × 2 workloads) of 4 tiny-random replicas finish in
+# well under 15 minutes on 2 shared CPU cores. Passed to workloads.generate().
+LIVE_PARAMS: dict[str, dict[str, Any]] = {
+    "agents": {},
+    "multi_turn_chat": {},
+    "shared_system_prompt": {},
+    "doc_qa": {},
+    "generated_shared_prefix": {},
+}
+
+
+@dataclass(slots=True)
+class Sizing:
+    """How big each replica's KV cache is for one workload, and why."""
+
+    distinct_blocks: int
+    num_blocks: int
+    fraction: float
+    min_blocks: int  # what the in-flight requests alone need
+
+
+def filler_reply(rng: random.Random, tokenizer: Any, n_tokens: int) -> str:
+    """Text decoded from random token ids: what a random model's reply looks like."""
+    ids = [rng.randrange(1000, tokenizer.vocab_size - 1000) for _ in range(n_tokens)]
+    text: str = tokenizer.decode(ids)
+    return text
+
+
+def prompts_of(session: Session, tokenizer: Any, rng: random.Random) -> list[list[int]]:
+    """The token ids of every turn's prompt, history included (replies are filler)."""
+    messages: list[dict[str, str]] = []
+    if session.system:
+        messages.append({"role": "system", "content": session.system})
+    out = []
+    for turn in session.turns:
+        messages.append({"role": "user", "content": turn.user})
+        out.append(tokenizer.encode_chat(messages))
+        messages.append(
+            {"role": "assistant", "content": filler_reply(rng, tokenizer, turn.max_tokens)}
+        )
+    return out
+
+
+def size_cache(
+    sessions: Sequence[Session],
+    model: str,
+    fraction: float,
+    concurrency: int,
+    n_replicas: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Sizing:
+    from prefixgate.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer.for_model(model)
+    space = KeySpace(model, block_size)
+    rng = random.Random(0)
+    distinct: set[bytes] = set()
+    longest = 0
+    for session in sessions:
+        for ids in prompts_of(session, tokenizer, rng):
+            distinct.update(space.keys(ids))
+            longest = max(longest, len(ids) + max(t.max_tokens for t in session.turns))
+    # Every in-flight request pins its blocks; a replica may get all of them at once.
+    min_blocks = math.ceil(longest / block_size + 1) * max(1, concurrency)
+    num_blocks = max(math.ceil(len(distinct) * fraction), min_blocks)
+    return Sizing(len(distinct), num_blocks, num_blocks / max(1, len(distinct)), min_blocks)
+
+
+# ------------------------------------------------------------------------------ cluster
+
+
+@dataclass(slots=True)
+class Cluster:
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    base_url: str
+
+    def replica_urls(self) -> dict[str, str]:
+        """From the ``pids`` file ``prefixgate up`` keeps: ``name pid port`` per line."""
+        urls = {}
+        for line in (self.run_dir / "pids").read_text().splitlines():
+            name, _pid, port = line.split()
+            if name.startswith("replica"):
+                urls[name] = f"http://127.0.0.1:{port}"
+        return urls
+
+    def cache_stats(self) -> dict[str, dict[str, Any]]:
+        stats = {}
+        for name, url in self.replica_urls().items():
+            with urllib.request.urlopen(f"{url}/cache/stats", timeout=10) as resp:
+                stats[name] = json.loads(resp.read())
+        return stats
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace_s=30.0)  # `up` stops its own children on SIGTERM
+
+
+def start_cluster(
+    n_replicas: int, model: str, policy: str, num_blocks: int, run_dir: Path, timeout_s: float
+) -> Cluster:
+    port = free_port()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "prefixgate", "up", "--replicas", str(n_replicas)]
+    cmd += ["--model", model, "--port", str(port), "--policy", policy]
+    cmd += ["--num-blocks", str(num_blocks), "--run-dir", str(run_dir)]
+    with open(run_dir / "up.log", "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    gateway = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{gateway}/ready", timeout_s, procs=[proc], interval=0.2)
+    except BaseException:
+        stop_process(proc, grace_s=30.0)
+        raise
+    return Cluster(proc, run_dir, f"{gateway}/v1")
+
+
+def cluster_hit_rate(stats: dict[str, dict[str, Any]]) -> float | None:
+    """Hit tokens over queried tokens, summed over every replica's prefix cache."""
+    hit = sum(int(s.get("hit_tokens", 0)) for s in stats.values())
+    queried = sum(int(s.get("query_tokens", 0)) for s in stats.values())
+    return hit / queried if queried else None
+
+
+# --------------------------------------------------------------------------- experiment
+
+
+def simulated_oracle(
+    sessions: Sequence[Session], n_replicas: int, num_blocks: int
+) -> dict[str, Any] | None:
+    """The oracle's numbers (one replica, N× capacity) from the simulator, if it exists."""
+    try:
+        from loadtest.simulate import oracle_result
+    except ImportError:
+        return None
+    return oracle_result(sessions, n_replicas, num_blocks)
+
+
+@dataclass(slots=True)
+class LiveConfig:
+    replicas: int
+    model: str
+    policies: list[str]
+    workloads: list[str]
+    out_dir: Path
+    concurrency: int
+    fraction: float
+    seed: int
+    ready_timeout_s: float
+
+
+class Workload(NamedTuple):
+    name: str
+    sessions: list[Session]
+    sizing: Sizing
+
+
+def stats_delta(
+    after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Per-replica counters accrued between two /cache/stats readings."""
+    out = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+        out[name] = {k: v - then.get(k, 0) if k in COUNTERS else v for k, v in now.items()}
+    return out
+
+
+COUNTERS = ("queries", "hits", "misses", "hit_tokens", "query_tokens", "evictions", "expirations")
+
+
+def run_policy(cfg: LiveConfig, policy: str, workloads: Sequence[Workload]) -> list[dict[str, Any]]:
+    """One fresh cluster for ``policy``; every workload replayed on it in turn.
+
+    Starting 4 replicas costs about a minute on 2 shared cores, so workloads share a
+    cluster; they share no prefixes, and the cache counters are read before and after
+    each replay so every workload's numbers are its own.
+    """
+    num_blocks = max(w.sizing.num_blocks for w in workloads)
+    run_dir = cfg.out_dir / "runs" / policy
+    print(
+        f"[live] {policy}: starting {cfg.replicas} replicas, {num_blocks} blocks each…", flush=True
+    )
+    cluster = start_cluster(
+        cfg.replicas, cfg.model, policy, num_blocks, run_dir, cfg.ready_timeout_s
+    )
+    results = []
+    try:
+        for w in workloads:
+            before = cluster.cache_stats()
+            replay_config = ReplayConfig(
+                base_url=cluster.base_url,
+                model=cfg.model,
+                concurrency=cfg.concurrency,
+                ignore_eos=True,  # every policy generates the same number of tokens
+                seed=cfg.seed,
+            )
+            result = run_replay(w.sessions, replay_config)
+            stats = stats_delta(cluster.cache_stats(), before)
+            data = result.to_json(
+                {"experiment": experiment_name(w.name, cfg), "policy": policy, "workload": w.name}
+            )
+            data["cache_stats"] = stats
+            data["cluster_hit_rate"] = cluster_hit_rate(stats)
+            results.append(data)
+            s = data["summary"]
+            print(
+                f"[live] {w.name} × {policy}: hit {s['hit_rate']}, cluster hit "
+                f"{data['cluster_hit_rate']}, TTFT p50 {s['ttft_p50_s']}, "
+                f"total {s['total_time_s']:.1f} s, per replica {s['requests_per_replica']}, "
+                f"errors {s['errors']}",
+                flush=True,
+            )
+    finally:
+        cluster.stop()
+    return results
+
+
+def experiment_name(workload: str, cfg: LiveConfig) -> str:
+    return f"live: {workload}, {cfg.replicas} × {cfg.model}"
+
+
+def check_targets(runs: list[dict[str, Any]], oracle: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets per experiment, as facts: met or not, with the numbers."""
+    out: dict[str, Any] = {}
+    by_exp: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_exp.setdefault(run["meta"]["experiment"], {})[run["meta"]["policy"]] = run["summary"]
+    for exp, policies in by_exp.items():
+        ca = policies.get("cache_aware")
+        if ca is None:
+            continue
+        others = [s for p, s in policies.items() if p != "cache_aware"]
+        oracle_hit = (oracle.get(exp) or {}).get("hit_rate")
+        ratio = ca["hit_rate"] / oracle_hit if oracle_hit and ca["hit_rate"] is not None else None
+        out[exp] = {
+            "hit_rate_over_oracle": ratio,
+            "hit_rate_target_met": ratio is not None and ratio >= 0.95,
+            "ttft_p50_best": all(
+                ca["ttft_p50_s"] is not None
+                and (o["ttft_p50_s"] is None or ca["ttft_p50_s"] < o["ttft_p50_s"])
+                for o in others
+            ),
+            "total_time_best": all(ca["total_time_s"] < o["total_time_s"] for o in others),
+            "load_max_over_mean": ca["load_max_over_mean"],
+            "load_target_met": (ca["load_max_over_mean"] or 99.0) <= 1.15,
+        }
+    return out
+
+
+def prepare(cfg: LiveConfig) -> list[Workload]:
+    from loadtest.workloads import generate, save_jsonl
+
+    out = []
+    for name in cfg.workloads:
+        sessions = generate(name, seed=cfg.seed, **LIVE_PARAMS.get(name, {}))
+        save_jsonl(sessions, cfg.out_dir / f"workload-{name}.jsonl")
+        sizing = size_cache(sessions, cfg.model, cfg.fraction, cfg.concurrency, cfg.replicas)
+        out.append(Workload(name, sessions, sizing))
+    return out
+
+
+def run_live(cfg: LiveConfig) -> Path:
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    workloads = prepare(cfg)
+    num_blocks = max(w.sizing.num_blocks for w in workloads)
+    oracle: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for w in workloads:
+        exp = experiment_name(w.name, cfg)
+        n_requests = sum(len(s.turns) for s in w.sessions)
+        notes[exp] = (
+            f"{len(w.sessions)} sessions, {n_requests} requests, closed loop with "
+            f"{cfg.concurrency} concurrent sessions; {num_blocks} KV blocks per replica = "
+            f"{num_blocks / w.sizing.distinct_blocks:.2f} of the workload's "
+            f"{w.sizing.distinct_blocks} distinct prefix blocks."
+        )
+        print(f"[live] {exp}: {notes[exp]}", flush=True)
+        sim = simulated_oracle(w.sessions, cfg.replicas, num_blocks)
+        if sim is not None:
+            oracle[exp] = sim
+    runs: list[dict[str, Any]] = []
+    for policy in cfg.policies:
+        runs.extend(run_policy(cfg, policy, workloads))
+    elapsed = time.monotonic() - started
+    data = {
+        "kind": "live",
+        "config": {**asdict(cfg), "out_dir": str(cfg.out_dir)},
+        "elapsed_s": elapsed,
+        "runs": runs,
+        "oracle": oracle,
+        "notes": notes,
+        "targets": check_targets(runs, oracle),
+    }
+    path = cfg.out_dir / "live.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"[live] done in {elapsed:.0f} s; results in {path}", flush=True)
+    print(json.dumps(data["targets"], indent=1))
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--model", default="tiny-random")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma-separated kinds")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent sessions")
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=1 / 3,
+        help="each replica's KV cache as a fraction of the distinct prefix blocks",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--no-report", action="store_true", help="skip tables and plots")
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = LiveConfig(
+        replicas=args.replicas,
+        model=args.model,
+        policies=[p for p in args.policies.split(",") if p],
+        workloads=[w for w in args.workloads.split(",") if w],
+        out_dir=args.out_dir,
+        concurrency=args.concurrency,
+        fraction=args.cache_fraction,
+        seed=args.seed,
+        ready_timeout_s=args.ready_timeout_s,
+    )
+    path = run_live(cfg)
+    if not args.no_report:
+        from loadtest.report import load, write_report
+
+        sim = cfg.out_dir / "simulate.json"
+        inputs = [path, *([sim] if sim.is_file() else [])]
+        for p in write_report(load(inputs), cfg.out_dir):
+            print(p)
+    return 0
