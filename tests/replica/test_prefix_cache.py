@@ -252,7 +252,12 @@ def weak_key(prev: bytes, block: bytes) -> bytes:
     return bytes([hashlib.sha256(prev + block).digest()[0] % 4]) * 32
 
 
-@pytest.mark.parametrize("key_fn", [weak_key, lambda prev, block: b"k" * 32])
+def history_blind_key(prev: bytes, block: bytes) -> bytes:
+    """The same block after any prefix (or at any depth) gets the same key."""
+    return hashlib.sha256(block).digest()
+
+
+@pytest.mark.parametrize("key_fn", [weak_key, history_blind_key, lambda prev, block: b"k" * 32])
 def test_colliding_keys_never_return_another_prompts_blocks(key_fn: object) -> None:
     rng = random.Random(7)
     cache = make(num_blocks=24, key_fn=key_fn)
@@ -277,6 +282,27 @@ def test_colliding_keys_never_return_another_prompts_blocks(key_fn: object) -> N
         cache.release(blocks)
         cache.check_invariants()
     assert cache.stats().hit_tokens > 0
+
+
+def test_a_colliding_parent_key_is_caught_by_the_parent_chain() -> None:
+    """Token and parent-key checks alone are not enough: here the orphaned second block of
+    prompt X has the right tokens and a parent key equal to Y's first key, yet its KV
+    was computed after X's first block, not Y's."""
+
+    def first_token_key(prev: bytes, block: bytes) -> bytes:
+        return hashlib.sha256(prev + block[:4]).digest()  # only a block's first token counts
+
+    cache = make(num_blocks=3, key_fn=first_token_key)
+    x_head, y_head, body = [1, 2, 3, 4], [1, 9, 9, 9], [5, 6, 7, 8]  # the heads collide
+    blocks = cache.allocate(2)
+    cache.commit(x_head + body, blocks)
+    cache.release(blocks[::-1])  # head-first, so X's head is evicted before its body
+    cache.release(cache.allocate(2))
+    serve(cache, [*y_head, 0])  # Y's head takes the key X's head had
+    hit = cache.match([*y_head, *body, 0])
+    assert hit.cached_tokens == 4  # Y's own head only; X's body is never served
+    cache.release(hit.block_ids)
+    cache.check_invariants()
 
 
 # --------------------------------------------------------------------------- ttl, clear
