@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from loadtest.replay import ReplayConfig, run_replay
-from prefixgate.procs import free_port, stop_process, wait_http_ok
+from prefixgate.procs import ChildDied, free_port, stop_process, wait_http_ok
 from router.protocol import DEFAULT_BLOCK_SIZE, KeySpace
 
 if TYPE_CHECKING:
@@ -124,6 +124,10 @@ class Cluster:
                 urls[name] = f"http://127.0.0.1:{port}"
         return urls
 
+    def names_by_address(self) -> dict[str, str]:
+        """``host:port`` → replica name: the gateway may name a replica either way."""
+        return {url.removeprefix("http://"): name for name, url in self.replica_urls().items()}
+
     def cache_stats(self) -> dict[str, dict[str, Any]]:
         stats = {}
         for name, url in self.replica_urls().items():
@@ -153,11 +157,23 @@ def start_cluster(
         )
     gateway = f"http://127.0.0.1:{port}"
     try:
-        wait_http_ok(f"{gateway}/ready", timeout_s, procs=[proc], interval=0.2)
+        wait_for_file(run_dir / "ready", proc, timeout_s)
+        wait_http_ok(f"{gateway}/ready", 30, procs=[proc])
     except BaseException:
         stop_process(proc, grace_s=30.0)
         raise
     return Cluster(proc, run_dir, f"{gateway}/v1")
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """``prefixgate up`` writes ``ready`` once every replica and the gateway answer."""
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if proc.poll() is not None:
+            raise ChildDied(f"prefixgate up exited with {proc.returncode}; see {path.parent}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cluster not ready within {timeout_s:.0f} s; see {path.parent}")
+        time.sleep(0.2)  # polling interval
 
 
 def cluster_hit_rate(stats: dict[str, dict[str, Any]]) -> float | None:
@@ -241,6 +257,10 @@ def run_policy(cfg: LiveConfig, policy: str, workloads: Sequence[Workload]) -> l
                 seed=cfg.seed,
             )
             result = run_replay(w.sessions, replay_config)
+            names = cluster.names_by_address()
+            for record in result.requests:
+                if record.replica is not None:
+                    record.replica = names.get(record.replica, record.replica)
             stats = stats_delta(cluster.cache_stats(), before)
             data = result.to_json(
                 {"experiment": experiment_name(w.name, cfg), "policy": policy, "workload": w.name}

@@ -23,8 +23,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 
 ORACLE = "oracle"
+PLAIN_NUMBER = FuncFormatter(lambda value, _pos: f"{value:g}")
 
 
 @dataclass(slots=True)
@@ -250,6 +252,9 @@ def plot_ttft_cdf(report: Report, path: Path) -> Path | None:
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
             ax.step(xs, ys, where="post", label=run.policy, color=_color(run.policy))
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(PLAIN_NUMBER)  # "200", not "2×10²"
+        ax.xaxis.set_minor_formatter(PLAIN_NUMBER)
+        ax.tick_params(axis="x", which="minor", labelsize=7)
         ax.set_xlabel("time to first token (ms, log scale)")
         ax.set_ylabel("fraction of requests ≤ x")
         ax.set_title(f"TTFT CDF — {exp}", fontsize=10)
