@@ -34,6 +34,8 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     port: int
+    # Later stages depend on earlier ones (Redis 0, replicas 1, gateway 2) and stop first.
+    stage: int = 0
 
 
 @dataclass(slots=True)
@@ -48,7 +50,7 @@ class Stack:
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = signal.Signals(signum).name
 
-    def start(self, name: str, cmd: list[str], port: int) -> Child:
+    def start(self, name: str, cmd: list[str], port: int, stage: int = 0) -> Child:
         log_path = self.run_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -59,7 +61,7 @@ class Stack:
                 env=self.env,
                 start_new_session=True,  # Ctrl-C reaches `up` only; `up` stops the children
             )
-        child = Child(name, proc, log_path, port)
+        child = Child(name, proc, log_path, port, stage)
         self.add(child)
         return child
 
@@ -118,18 +120,26 @@ class Stack:
         return 0
 
     def stop_all(self, grace_s: float) -> None:
-        """SIGTERM every child's group at once (last started first); SIGKILL after grace_s."""
-        live = [c for c in reversed(self.children) if c.proc.poll() is None]
-        for c in live:
-            kill_group(c.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for c in live:
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"prefixgate up: {c.name} ignored SIGTERM; killing it", file=sys.stderr)
-                kill_group(c.proc.pid, signal.SIGKILL)
-                c.proc.wait(timeout=5)
+        """Stop the children stage by stage, latest stage first (the gateway before the
+        replicas it sends to, the replicas before the Redis they publish to): SIGTERM to
+        every process group of a stage at once, SIGKILL to those still running after
+        ``grace_s``."""
+        for stage in sorted({c.stage for c in self.children}, reverse=True):
+            live = [c for c in self.children if c.stage == stage and c.proc.poll() is None]
+            for c in live:
+                kill_group(c.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for c in live:
+                try:
+                    c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    print(
+                        f"prefixgate up: {c.name} still running {grace_s:g} s after SIGTERM; "
+                        "killing it",
+                        file=sys.stderr,
+                    )
+                    kill_group(c.proc.pid, signal.SIGKILL)
+                    c.proc.wait(timeout=5)
         # A child's own children share its group; sweep any that outlived their leader.
         for c in self.children:
             kill_group(c.proc.pid, signal.SIGKILL)

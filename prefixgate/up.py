@@ -114,15 +114,15 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
         (redis_port,) = pick_ports(1, taken={args.port, *replica_ports})
         redis_log = stack.run_dir / "redis.log"
         proc = start_redis(redis_port, stack.run_dir / "redis", log_path=redis_log)
-        stack.add(Child("redis", proc, redis_log, redis_port))
+        stack.add(Child("redis", proc, redis_log, redis_port, stage=0))
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         print(f"  redis ready at {redis_url}", flush=True)
 
     replica_urls = [f"http://{host}:{p}" for p in replica_ports]
     for i, port in enumerate(replica_ports):
-        stack.start(f"replica-{i}", replica_command(args, i, port, redis_url), port)
+        stack.start(f"replica-{i}", replica_command(args, i, port, redis_url), port, stage=1)
     # Started alongside the replicas, so that its start-up overlaps their model loading.
-    stack.start("gateway", gateway_command(args, replica_urls, redis_url), args.port)
+    stack.start("gateway", gateway_command(args, replica_urls, redis_url), args.port, stage=2)
     print(f"  started {args.replicas} replica(s) of {args.model} and the gateway", flush=True)
     if model_needs_conversion(args.model):
         print(f"  converting {args.model} to safetensors (first start only)…", flush=True)
@@ -144,7 +144,9 @@ DESCRIPTION = """\
 Start a local prefixgate cluster: an embedded Redis (no persistence; skipped with
 --redis-url), N replicas and one gateway, each a child process with its own log in the
 run directory. Waits until every replica's /health and the gateway's /ready answer, then
-prints the base_url and how to call it. Ctrl-C or SIGTERM stops every child (SIGTERM,
+prints the base_url and how to call it.
+
+Ctrl-C or SIGTERM stops every child: the gateway, then the replicas, then Redis (SIGTERM,
 then SIGKILL after --stop-grace-s). If a child dies, its log tail is printed, the rest
 are stopped and `up` exits with 1.
 
@@ -203,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop-grace-s",
         metavar="S",
         type=float,
-        default=10.0,
-        help="SIGKILL children still running S seconds after SIGTERM (default 10)",
+        default=15.0,
+        help="SIGKILL children still running S seconds after SIGTERM (default 15)",
     )
     return p
 

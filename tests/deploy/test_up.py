@@ -11,21 +11,20 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 from openai import OpenAI
 
-from prefixgate import up
-from prefixgate.models import ensure_tokenizer_dir
-from prefixgate.procs import free_port, wait_http_ok
+from prefixgate import cli, up
+from prefixgate.procs import free_port, http_ok
 from prefixgate.stack import PIDS_FILE, Stack
 
 # Long enough for several full 16-token blocks whatever the chat template adds.
@@ -172,6 +171,26 @@ def test_stop_all_kills_a_child_that_ignores_sigterm(stack: Stack) -> None:
     assert child.proc.returncode == -signal.SIGKILL
 
 
+def test_later_stages_stop_first(stack: Stack, tmp_path: Path) -> None:
+    """The gateway (stage 2) is gone before replicas (1) get SIGTERM, and they before Redis (0)."""
+    order = tmp_path / "order"
+    code = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    open({str(order)!r}, 'a').write(sys.argv[1] + '\\n'); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    for name, stage in [("redis", 0), ("replica-0", 1), ("replica-1", 1), ("gateway", 2)]:
+        child = stack.start(name, [sys.executable, "-c", code, name], port=0, stage=stage)
+        wait_for_log(child.log_path, "ready", child.proc)
+    stack.stop_all(grace_s=5)
+    stopped = order.read_text().split()
+    assert stopped[0] == "gateway" and stopped[-1] == "redis"
+    assert sorted(stopped[1:3]) == ["replica-0", "replica-1"]
+
+
 def test_a_dying_child_is_reported_with_its_log(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -189,21 +208,27 @@ def test_a_signal_ends_supervision_cleanly(stack: Stack) -> None:
     assert stack.stop_signal == "SIGTERM"
 
 
-def wait_for_log(path: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
-    """Poll a child's log for a line (the child has no health endpoint to poll)."""
-    for _ in range(200):
-        if text in path.read_text():
-            return
-        assert proc.poll() is None, path.read_text()
+def wait_until(done: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Poll ``done`` while ``proc`` runs; the pause between polls is a wait on ``proc``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert proc.poll() is None, f"exited with {proc.returncode} while we waited"
+        assert time.monotonic() < deadline, f"not done within {timeout_s} s"
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0.05)
-    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def wait_for_log(path: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
+    """A child without a health endpoint says it is ready in its log."""
+    wait_until(lambda: text in path.read_text(), proc, timeout_s=30)
 
 
 # --------------------------------------------------------------------------- end to end
 
 
-def test_up_serves_caches_and_stops_cleanly(tmp_path: Path) -> None:
+def test_up_serves_caches_and_stops_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     port = free_port()
     run_dir = tmp_path / "run"
     out_path = tmp_path / "up.out"
@@ -211,10 +236,12 @@ def test_up_serves_caches_and_stops_cleanly(tmp_path: Path) -> None:
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/ready", timeout=120, procs=[proc])
-        wait_for_log(out_path, "prefixgate is up", proc)  # printed once everything is ready
+        # `up` writes run_dir/ready once every replica and the gateway answer.
+        wait_until((run_dir / "ready").exists, proc, timeout_s=180)
         base_url = f"http://127.0.0.1:{port}/v1"
         assert (run_dir / "ready").read_text().strip() == base_url
+        assert http_ok(f"http://127.0.0.1:{port}/ready")
+        assert "prefixgate is up" in out_path.read_text()
         listed = read_pids(run_dir)
         assert [p.name for p in listed] == ["redis", "replica-0", "replica-1", "gateway"]
 
@@ -242,15 +269,12 @@ def test_up_serves_caches_and_stops_cleanly(tmp_path: Path) -> None:
         assert second_replica == first_replica
         assert second_cached is not None and second_cached > 0
 
-        chat = [sys.executable, "-m", "prefixgate", "chat", SYSTEM, "--base-url", base_url]
-        outputs = [
-            subprocess.run(chat, capture_output=True, text=True, timeout=60) for _ in range(2)
-        ]
-        assert all(o.returncode == 0 for o in outputs), outputs
-        found = re.search(
-            r"\[replica (\S+) · prompt tokens (\d+) · cached (\d+)\]", outputs[1].stdout
-        )
-        assert found, outputs[1].stdout
+        # `prefixgate chat`, in-process (a new interpreter per call costs seconds here).
+        for _ in range(2):
+            assert cli.main(["chat", SYSTEM, "--base-url", base_url, "--max-tokens", "4"]) == 0
+        printed = capsys.readouterr().out
+        found = re.search(r"\[replica (\S+) · prompt tokens (\d+) · cached (\d+)\]$", printed)
+        assert found, printed
         assert found[1] in ("replica-0", "replica-1") and int(found[3]) > 0
     finally:
         if proc.poll() is None:
@@ -264,16 +288,17 @@ def test_up_serves_caches_and_stops_cleanly(tmp_path: Path) -> None:
         assert nothing_listens(child.port), f"{child.name}'s port {child.port} is still bound"
 
 
-def test_up_reports_a_replica_that_dies_and_stops_the_rest(tmp_path: Path) -> None:
-    # A folder with a tokenizer but no weights: the gateway starts, the replica cannot.
-    broken = tmp_path / "weightless-model"
-    shutil.copytree(ensure_tokenizer_dir("tiny-random"), broken)
+def test_up_reports_a_child_that_dies_and_stops_the_rest(tmp_path: Path) -> None:
+    # No such model: the gateway (no tokenizer) and the replica (no weights) both exit.
     run_dir = tmp_path / "run"
-    cmd = up_command(free_port(), run_dir, "--replicas", "1", "--model", str(broken))
+    missing = tmp_path / "no-such-model"
+    cmd = up_command(free_port(), run_dir, "--replicas", "1", "--model", str(missing))
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "replica-0" in result.stderr and "exited with code" in result.stderr
-    replica_log = (run_dir / "replica-0.log").read_text().strip().splitlines()
-    assert replica_log[-1] in result.stderr  # the tail of the replica's own log
+    found = re.search(r"prefixgate up: (\S+) \(pid \d+\) exited with code", result.stderr)
+    assert found, result.stderr
+    dead_log = (run_dir / f"{found[1]}.log").read_text().strip().splitlines()
+    assert dead_log[-1] in result.stderr  # the tail of the dead child's own log
+    assert "all processes stopped" in result.stdout
     for child in read_pids(run_dir):
         assert not group_alive(child.pid), f"{child.name} outlived up"
