@@ -30,7 +30,7 @@ import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from itertools import pairwise
 from typing import Any, NamedTuple, Protocol
 
@@ -116,7 +116,7 @@ class _Content:
     depth: int  # block index within the prompt
     data: bytes
     key: bytes | None = None  # set while registered in the full-block index
-    tail_lengths: list[int] = field(default_factory=list)  # exact-match entries (tokens)
+    tail_lengths: tuple[int, ...] = ()  # exact-match entries (tokens); rarely more than one
 
 
 class PrefixCache:
@@ -246,20 +246,21 @@ class PrefixCache:
                 f"need {n} blocks but only {free} are free and {len(self._policy)} evictable; "
                 f"{self._pinned} of {self._num_blocks} are pinned by running requests"
             )
-        out: list[int] = []
+        pop_free = self._free.popitem
+        out = [pop_free(last=False)[0] for _ in range(min(n, free))]
         removed: list[bytes] = []
-        for _ in range(min(n, free)):
-            out.append(self._free.popitem(last=False)[0])
-        while len(out) < n:
+        evict = n - len(out)
+        for _ in range(evict):
             victim = self._policy.pop()
             self._idle_since.pop(victim, None)
             key = self._drop_content(victim)
             if key is not None:
                 removed.append(key)
-            self._stats.evictions += 1
             out.append(victim)
+        self._stats.evictions += evict
+        refs = self._refs
         for block_id in out:
-            self._refs[block_id] = 1
+            refs[block_id] = 1
         self._pinned += n
         if removed and self._listener is not None:
             self._listener.on_removed(removed)
@@ -267,8 +268,9 @@ class PrefixCache:
 
     def pin(self, block_ids: Sequence[int]) -> None:
         """+1 ref on blocks the caller already holds (n > 1 choices share a prompt)."""
+        self._check_ids(block_ids)
         for block_id in block_ids:
-            if self._refs[self._check_id(block_id)] <= 0:
+            if self._refs[block_id] <= 0:
                 raise ValueError(f"block {block_id} is not held; pin() only adds holders")
         for block_id in block_ids:
             self._refs[block_id] += 1
@@ -276,18 +278,19 @@ class PrefixCache:
     def release(self, block_ids: Sequence[int]) -> None:
         """-1 ref each. Pass a request's blocks in order: they go idle tail-first, so its
         last block becomes the oldest and shared heads outlive their tails."""
-        for block_id in block_ids:
-            if self._refs[self._check_id(block_id)] <= 0:
-                raise ValueError(f"block {block_id} released more times than it was held")
+        self._check_ids(block_ids)
+        refs = self._refs
+        if any(refs[block_id] <= 0 for block_id in block_ids):
+            raise ValueError(f"a block in {list(block_ids)} was released more times than held")
         if len(set(block_ids)) != len(block_ids):
             for block_id, times in Counter(block_ids).items():
-                if self._refs[block_id] < times:
+                if refs[block_id] < times:
                     raise ValueError(f"block {block_id} released more times than it was held")
         now = self._clock()
         for block_id in reversed(block_ids):
-            refs = self._refs[block_id] - 1
-            self._refs[block_id] = refs
-            if refs:
+            left = refs[block_id] - 1
+            refs[block_id] = left
+            if left:
                 continue
             self._pinned -= 1
             content = self._contents[block_id]
@@ -304,6 +307,10 @@ class PrefixCache:
             self._policy.discard(block_id)
             self._idle_since.pop(block_id, None)
         self._refs[block_id] += 1
+
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self._num_blocks):
+            raise ValueError(f"block ids {list(block_ids)} out of range [0, {self._num_blocks})")
 
     def _check_id(self, block_id: int) -> int:
         if not 0 <= block_id < self._num_blocks:
@@ -323,9 +330,10 @@ class PrefixCache:
         needed = math.ceil(n / B)
         if len(block_ids) < needed:
             raise ValueError(f"{n} tokens need {needed} blocks, got {len(block_ids)}")
-        for block_id in block_ids[:needed]:
-            if self._refs[self._check_id(block_id)] <= 0:
-                raise ValueError(f"block {block_id} is not held; commit needs it pinned")
+        self._check_ids(block_ids[:needed])
+        refs = self._refs
+        if any(refs[block_id] <= 0 for block_id in block_ids[:needed]):
+            raise ValueError(f"a block in {list(block_ids[:needed])} is not held; commit needs it")
         data = encode_tokens(token_ids)
         width = 4 * B
         prev = self.root(salt)
@@ -358,7 +366,9 @@ class PrefixCache:
     ) -> tuple[bytes, int, bool] | None:
         """Register one full block; returns (key, uid of the registered holder, newly
         registered) or None when the chain cannot be verified past this block."""
-        own = self._update(block_id, depth, prev, parent_uid, chunk)
+        own = None
+        if self._contents[block_id] is not None:  # committed before: check and grow it
+            own = self._update(block_id, depth, prev, parent_uid, chunk)
         if own is not None and own.key is not None:
             return own.key, own.uid, False
         key = self._key_fn(prev, chunk)
@@ -397,7 +407,7 @@ class PrefixCache:
         self._tails[entry] = block_id
         counts = self._tail_lengths.setdefault(prev, {})
         counts[length] = counts.get(length, 0) + 1
-        own.tail_lengths.append(length)
+        own.tail_lengths += (length,)
 
     def _new_content(
         self, block_id: int, depth: int, prev: bytes, parent_uid: int | None, data: bytes
