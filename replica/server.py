@@ -312,6 +312,16 @@ async def _stream(job: Job, handle: Any, clock: JobClock, replica: Replica) -> A
 
 def _observe(job: Job, output: RequestOutput, clock: JobClock, replica: Replica) -> None:
     t = output.timings
+    log.debug(
+        "%s done: prompt %d (cached %d), completion %d, ttft %.1f ms, total %.1f ms, %s",
+        job.response_id,
+        output.prompt_tokens,
+        output.cached_tokens,
+        output.completion_tokens,
+        1000 * ((clock.first or clock.start) - clock.start),
+        1000 * (time.perf_counter() - clock.start),
+        ",".join(c.finish_reason for c in output.choices),
+    )
     replica.metrics.observe_finished(
         prompt_tokens=output.prompt_tokens,
         cached_tokens=output.cached_tokens,

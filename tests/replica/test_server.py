@@ -308,3 +308,14 @@ def test_redis_restart_mid_run_loses_no_request(
     until(lambda: rclient.exists(replica_info_key(rid)) == 1, what="registry record back")
     assert replica.cache_stats()["publisher"]["outages"] == 1
     assert "unreachable" in replica.log_tail(200_000)
+
+
+def test_cli_flags_come_from_env_and_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from replica.cli import build_parser
+
+    monkeypatch.setenv("PREFIXGATE_KV_CACHE_MB", "512")
+    monkeypatch.setenv("PREFIXGATE_MODEL", "tiny-random")
+    monkeypatch.setenv("PREFIXGATE_PORT", "9000")
+    args = build_parser().parse_args(["--port", "9100"])
+    assert (args.kv_cache_mb, args.model, args.port) == (512, "tiny-random", 9100)
+    assert args.host == "127.0.0.1" and args.block_size == 16 and args.redis_url is None
