@@ -235,6 +235,14 @@ class Router:
         view.last_seq = snapshot.seq
         view.publishes_events = True
 
+    def reset_replica_view(self, replica_id: str) -> None:
+        """Forget what the replica holds and accept its next event as a new start (a
+        resync without a snapshot)."""
+        view = self._replicas.get(replica_id)
+        if view is not None:
+            self.index.clear(replica_id)
+            view.last_seq = None
+
     def apply_hint(self, hint: RoutedHint) -> None:
         """Another gateway's optimistic insert."""
         if hint.replica_id in self._replicas and hint.keys:

@@ -1,0 +1,256 @@
+"""Keeps a Router true to Redis: discovery, block events, snapshots, other gateways' hints.
+
+One background task loops: refresh the registry (new replicas join, expired ones leave,
+heartbeats update load), rebuild the view of any replica that needs it from its
+snapshot, then block on XREAD over every replica's event stream for up to
+``poll_interval_s``; a second task applies other gateways' RoutedHints and publishes
+ours. Redis is an accelerator: while it is down the router keeps routing on what it
+has, the outage is logged once, and the loop reconnects with exponential backoff and
+then resyncs every replica (events may have been lost meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import deque
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.protocol import (
+    REPLICAS_SET,
+    ROUTED_CHANNEL,
+    BlockEvent,
+    ReplicaInfo,
+    RoutedHint,
+    decode_snapshot,
+    events_stream_key,
+    replica_info_key,
+    snapshot_key,
+)
+from router.router import Router
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_MAX_S = 5.0
+_READ_COUNT = 1000
+_MAX_PENDING_HINTS = 10_000
+
+
+class RedisSync:
+    def __init__(
+        self,
+        router: Router,
+        redis_url: str,
+        *,
+        gateway_id: str | None = None,
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        self.router = router
+        self.redis_url = redis_url
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self.poll_interval_s = poll_interval_s
+        self._client: aioredis.Redis | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._discovered: set[str] = set()  # replicas this sync added (not static ones)
+        self._stream_ids: dict[str, str] = {}  # replica -> last stream entry id read
+        self._need_resync: set[str] = set()
+        self._hints: deque[RoutedHint] = deque(maxlen=_MAX_PENDING_HINTS)
+        self._hint_ready = asyncio.Event()
+        self._down = False
+        self._closing = False
+        self._keep_missing_until = 0.0  # after an outage: registry records may be gone
+        self.resyncs = 0  # snapshot rebuilds done (start, gaps, outages)
+        self.reconnects = 0
+        router.add_routed_hook(self._on_routed)
+
+    # ----------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Connect and do a first sync if Redis answers; then follow in the background."""
+        self._client = aioredis.from_url(self.redis_url, socket_timeout=5.0)
+        try:
+            await self._refresh()
+        except (RedisError, OSError) as exc:
+            self._went_down(exc)
+        self._tasks = [
+            asyncio.create_task(self._follow_loop(), name="prefixgate-sync-events"),
+            asyncio.create_task(self._hint_loop(), name="prefixgate-sync-hints"),
+        ]
+
+    async def aclose(self) -> None:
+        # The loops also check ``_closing``: redis-py can turn a cancellation that races
+        # its own timeout into a TimeoutError (an OSError), which the loops would retry.
+        self._closing = True
+        while self._tasks:
+            for task in self._tasks:
+                task.cancel()
+            _done, pending = await asyncio.wait(self._tasks, timeout=1.0)
+            self._tasks = list(pending)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None and not self._down
+
+    # ----------------------------------------------------------------------- main loop
+
+    async def _follow_loop(self) -> None:
+        backoff = self.poll_interval_s
+        while not self._closing:
+            try:
+                if self._down:
+                    await self._refresh()
+                    self._came_back()
+                await self._read_events()
+                await self._refresh()
+                self.router.sweep()
+                backoff = self.poll_interval_s
+            except (RedisError, OSError) as exc:
+                if self._closing:
+                    return
+                self._went_down(exc)
+                await asyncio.sleep(backoff)  # reconnect backoff, not a readiness wait
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _went_down(self, exc: BaseException) -> None:
+        if not self._down:
+            log.warning("Redis unreachable (%s); routing on the local view until it returns", exc)
+        self._down = True
+        self._need_resync.update(self._stream_ids)
+
+    def _came_back(self) -> None:
+        # A restarted Redis has lost the registry; replicas re-register on their next
+        # heartbeat. Until then a missing record does not mean a dead replica.
+        self._keep_missing_until = self.router.clock() + self.router.config.replica_ttl_s
+        self._down = False
+        self.reconnects += 1
+        log.info("Redis reachable again; resyncing %d replicas", len(self._stream_ids))
+
+    async def _refresh(self) -> None:
+        await self._discover()
+        for replica_id in list(self._need_resync):
+            await self._resync(replica_id)
+
+    # ----------------------------------------------------------------------- registry
+
+    async def _discover(self) -> None:
+        client = self._require_client()
+        ids = sorted(_text(raw) for raw in await client.smembers(REPLICAS_SET))  # type: ignore[misc]
+        records = await client.mget([replica_info_key(i) for i in ids]) if ids else []
+        alive = set()
+        for replica_id, raw in zip(ids, records, strict=True):
+            if raw is None:
+                continue
+            info = ReplicaInfo.decode(raw)
+            alive.add(replica_id)
+            self.router.add_replica(replica_id, info.url, info.model, info.block_size)
+            self.router.update_load(replica_id, info.load)
+            if replica_id not in self._stream_ids:
+                self._stream_ids[replica_id] = "0-0"
+                self._need_resync.add(replica_id)
+            if not self.router.replicas[replica_id].static:
+                self._discovered.add(replica_id)
+        if self.router.clock() < self._keep_missing_until:
+            return
+        for replica_id in list(self._stream_ids):
+            if replica_id in alive:
+                continue
+            # Its heartbeat expired: stop following; a discovered replica leaves entirely.
+            del self._stream_ids[replica_id]
+            self._need_resync.discard(replica_id)
+            if replica_id in self._discovered:
+                self._discovered.discard(replica_id)
+                self.router.remove_replica(replica_id)
+                log.info("replica %s left (registry record expired)", replica_id)
+
+    # ----------------------------------------------------------------------- events
+
+    async def _resync(self, replica_id: str) -> None:
+        """Rebuild the replica's view from its snapshot, then read its stream from the start
+        (events the snapshot already holds are skipped by their seq)."""
+        raw: Any = await self._require_client().get(snapshot_key(replica_id))
+        if raw is None:
+            self.router.reset_replica_view(replica_id)
+        else:
+            self.router.apply_snapshot(replica_id, decode_snapshot(raw))
+        self._stream_ids[replica_id] = "0-0"
+        self._need_resync.discard(replica_id)
+        self.resyncs += 1
+
+    async def _read_events(self) -> None:
+        if not self._stream_ids:
+            await asyncio.sleep(self.poll_interval_s)  # nothing to follow: poll the registry
+            return
+        streams = {events_stream_key(rid): sid for rid, sid in self._stream_ids.items()}
+        block_ms = max(1, int(self.poll_interval_s * 1000))
+        client = self._require_client()
+        reply: Any = await client.xread(streams, count=_READ_COUNT, block=block_ms)  # type: ignore[arg-type]
+        by_stream = {events_stream_key(rid): rid for rid in self._stream_ids}
+        for stream, entries in reply or []:
+            replica_id = by_stream.get(_text(stream))
+            if replica_id is None:
+                continue
+            for entry_id, fields in entries:
+                self._stream_ids[replica_id] = _text(entry_id)
+                if replica_id in self._need_resync:
+                    break
+                if not self.router.apply_event(replica_id, BlockEvent.decode(fields)):
+                    self._need_resync.add(replica_id)
+
+    # ----------------------------------------------------------------------- hints
+
+    def _on_routed(self, replica_id: str, keys: list[bytes]) -> None:
+        if keys:
+            self._hints.append(RoutedHint(self.gateway_id, replica_id, tuple(keys)))
+            self._hint_ready.set()
+
+    async def _hint_loop(self) -> None:
+        backoff = self.poll_interval_s
+        while not self._closing:
+            pubsub = self._require_client().pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(ROUTED_CHANNEL)
+                while not self._closing:
+                    await self._publish_hints()
+                    message = await pubsub.get_message(timeout=self.poll_interval_s)
+                    if message is not None and message.get("type") == "message":
+                        self._apply_hint(message["data"])
+                    backoff = self.poll_interval_s
+            except (RedisError, OSError):
+                await asyncio.sleep(backoff)  # reconnect backoff
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+    async def _publish_hints(self) -> None:
+        client = self._require_client()
+        while self._hints:
+            hint = self._hints[0]
+            await client.publish(ROUTED_CHANNEL, hint.encode())
+            self._hints.popleft()
+
+    def _apply_hint(self, raw: Any) -> None:
+        try:
+            hint = RoutedHint.decode(raw)
+        except (ValueError, KeyError):
+            log.warning("ignoring a malformed routed hint")
+            return
+        if hint.gateway_id != self.gateway_id:
+            self.router.apply_hint(hint)
+
+    def _require_client(self) -> aioredis.Redis:
+        if self._client is None:
+            raise RuntimeError("RedisSync.start() was not called")
+        return self._client
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

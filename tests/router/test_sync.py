@@ -1,0 +1,161 @@
+"""RedisSync against a real redis-server: events, gaps, expiry, restarts, hints."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from router.protocol import (
+    REPLICAS_SET,
+    BlockEvent,
+    KeySpace,
+    ReplicaInfo,
+    ReplicaLoad,
+    SnapshotBlock,
+    encode_snapshot,
+    events_stream_key,
+    replica_info_key,
+    short_key,
+    snapshot_key,
+)
+from router.router import Router
+from router.sync import RedisSync
+from tests.conftest import RedisServer
+
+CHAIN = [short_key(k) for k in KeySpace("m").keys(list(range(64)))]  # 4 blocks
+POLL = 0.05
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``condition`` until true or the deadline passes (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met before the deadline")
+        await asyncio.sleep(0.01)
+
+
+async def register(client: aioredis.Redis, replica_id: str, ttl_ms: int = 60_000) -> None:
+    info = ReplicaInfo(replica_id, f"http://{replica_id}", "m", 16, ReplicaLoad(running=1))
+    await client.sadd(REPLICAS_SET, replica_id)  # type: ignore[misc]
+    await client.set(replica_info_key(replica_id), info.encode(), px=ttl_ms)
+
+
+async def publish(client: aioredis.Redis, replica_id: str, event: BlockEvent) -> None:
+    await client.xadd(events_stream_key(replica_id), event.encode())  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.from_url(redis_server.url)
+    yield c
+    await c.aclose()
+
+
+def matched(router: Router, replica_id: str, keys: list[bytes] = CHAIN) -> int:
+    return router.index.match(keys).get(replica_id, 0)
+
+
+async def test_events_are_applied_and_a_gap_resyncs_from_the_snapshot(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    await register(client, "r0")
+    await publish(client, "r0", BlockEvent(1, "stored", tuple(CHAIN[:2])))
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    await sync.start()
+    try:
+        assert "r0" in router.replicas and router.replicas["r0"].reported == ReplicaLoad(1)
+        await eventually(lambda: matched(router, "r0") == 2)
+        await publish(client, "r0", BlockEvent(2, "stored", (CHAIN[2],), CHAIN[1]))
+        await eventually(lambda: matched(router, "r0") == 3)
+        # Events 3..4 are lost; the snapshot (as of seq 4) holds the whole chain.
+        blocks = [SnapshotBlock(p, k) for p, k in zip([None, *CHAIN[:-1]], CHAIN, strict=True)]
+        await client.set(snapshot_key("r0"), encode_snapshot(4, blocks))
+        resyncs = sync.resyncs
+        await publish(client, "r0", BlockEvent(5, "removed", (CHAIN[0],)))  # gap: 3 missing
+        await eventually(lambda: sync.resyncs > resyncs)
+        # After the resync the stream is re-read: event 5 applies on top of the snapshot.
+        await eventually(lambda: router.replicas["r0"].last_seq == 5)
+        assert matched(router, "r0") == 0  # the head left, the rest came from the snapshot
+        assert [router.index.holds("r0", k) for k in CHAIN] == [False, True, True, True]
+        router.check_invariants()
+    finally:
+        await sync.aclose()
+
+
+async def test_registry_expiry_removes_a_discovered_replica_not_a_static_one(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    router = Router()
+    router.add_replica("static", "http://static", "m", static=True)
+    await register(client, "static", ttl_ms=60_000)
+    await register(client, "r1", ttl_ms=60_000)
+    await publish(client, "r1", BlockEvent(1, "stored", tuple(CHAIN)))
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    await sync.start()
+    try:
+        await eventually(lambda: matched(router, "r1") == 4)
+        await client.pexpire(replica_info_key("r1"), 50)  # the heartbeat stops
+        await client.pexpire(replica_info_key("static"), 50)
+        await eventually(lambda: "r1" not in router.replicas)
+        assert router.index.match(CHAIN) == {} and "r1" not in router.ring
+        assert "static" in router.replicas
+    finally:
+        await sync.aclose()
+
+
+async def test_redis_restart_keeps_routing_then_reconnects_and_resyncs(
+    redis_server: RedisServer,
+) -> None:
+    client = aioredis.from_url(redis_server.url)
+    await register(client, "r0")
+    await publish(client, "r0", BlockEvent(1, "stored", tuple(CHAIN[:2])))
+    await client.aclose()
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    await sync.start()
+    try:
+        await eventually(lambda: matched(router, "r0") == 2)
+        redis_server.stop()
+        await eventually(lambda: not sync.connected)
+        assert router.route(CHAIN).replica_id == "r0"  # routing goes on without Redis
+        redis_server.start()  # same port, empty: the replica re-registers and snapshots
+        client = aioredis.from_url(redis_server.url)
+        await register(client, "r0")
+        blocks = [SnapshotBlock(p, k) for p, k in zip([None, *CHAIN[:-1]], CHAIN, strict=True)]
+        await client.set(snapshot_key("r0"), encode_snapshot(7, blocks))
+        await eventually(lambda: sync.connected and sync.reconnects == 1)
+        await eventually(lambda: router.replicas["r0"].last_seq == 7)
+        await publish(client, "r0", BlockEvent(8, "cleared"))
+        await eventually(lambda: matched(router, "r0") == 0)
+        await client.aclose()
+    finally:
+        await sync.aclose()
+
+
+async def test_gateways_share_optimistic_inserts(redis_server: RedisServer) -> None:
+    routers = [Router(seed=i) for i in range(2)]
+    syncs = [RedisSync(r, redis_server.url, poll_interval_s=POLL) for r in routers]
+    for router in routers:
+        router.add_replica("a", "http://a", static=True)
+        router.add_replica("b", "http://b", static=True)
+    for sync in syncs:
+        await sync.start()
+    try:
+        decision = routers[0].route(CHAIN)
+        await eventually(lambda: matched(routers[1], decision.replica_id) == 4)
+        assert routers[1].route(CHAIN).replica_id == decision.replica_id
+    finally:
+        for sync in syncs:
+            await sync.aclose()
