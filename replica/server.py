@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -209,6 +210,9 @@ async def _run(job: Job, request: Request, replica: Replica) -> Response:
             _stream(job, handle, clock, replica),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
+            # Runs after the stream ends or the client leaves, even when the client left
+            # before the generator started (its `finally` then never runs).
+            background=BackgroundTask(_cancel_unfinished, handle, job, replica),
         )
     collect = asyncio.create_task(_collect(handle, clock, replica))
     gone = asyncio.create_task(_client_gone(request))
@@ -225,6 +229,11 @@ async def _run(job: Job, request: Request, replica: Replica) -> Response:
     output = collect.result()
     _observe(job, output, clock, replica)
     return JSONResponse(_full_body(job, output))
+
+
+def _cancel_unfinished(handle: Any, job: Job, replica: Replica) -> None:
+    if not handle.finished:
+        replica.engine.cancel(job.engine_request_id)
 
 
 async def _client_gone(request: Request) -> None:
