@@ -78,7 +78,7 @@ def _gen_epilog() -> str:
     except ImportError:
         return ""
     lines = ["kinds and their parameters (pass as --name value):"]
-    for kind, fn in sorted(getattr(workloads, "GENERATORS", {}).items()):
+    for kind, fn in sorted(getattr(workloads, "_GENERATORS", {}).items()):
         names = [
             f"{p.name}={p.default!r}"
             for p in inspect.signature(fn).parameters.values()
