@@ -51,7 +51,9 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
     cmd = [sys.executable, "-m", "prefixgate", "replica", "--model", args.model]
     cmd += ["--host", args.host, "--port", str(port)]
     cmd += ["--device", replica_device(args.device, index)]
-    cmd += ["--redis-url", redis_url, "--replica-id", f"replica-{index}", "--advertise-url", url]
+    # No --replica-id: the replica then names itself by its address (host:port), the same
+    # id the gateway gives it as a static --replica, so both views are one replica.
+    cmd += ["--redis-url", redis_url, "--advertise-url", url]
     if args.kv_cache_mb is not None:
         cmd += ["--kv-cache-mb", str(args.kv_cache_mb)]
     if args.num_blocks is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,8 @@ def test_compose_gives_each_replica_its_own_gpu_and_a_shared_model_volume() -> N
         gpus += device["device_ids"]
         assert "models:/cache" in service["volumes"]
         env = service["environment"]
-        assert env["PREFIXGATE_REPLICA_ID"] == name
+        # No explicit id: the replica is then named host:port, as the gateway names it.
+        assert "PREFIXGATE_REPLICA_ID" not in env
         assert env["PREFIXGATE_ADVERTISE_URL"] == f"http://{name}:{env['PREFIXGATE_PORT']}"
         assert service["restart"] == "unless-stopped"
         assert "/health" in " ".join(service["healthcheck"]["test"])
@@ -161,3 +163,22 @@ def test_workloads_read_settings_from_the_configmap_that_exists() -> None:
         for source in container["envFrom"]:
             data = configmaps[source["configMapRef"]["name"]]
             assert all(key.startswith("PREFIXGATE_") for key in data)
+
+
+# --------------------------------------------------------------------------- image
+
+
+def test_dockerfile_copies_every_package_and_runs_unprivileged() -> None:
+    """No engine here to build it; check what a build would silently get wrong."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    ]
+    copied = re.findall(r"^COPY (\S+) ", dockerfile, flags=re.MULTILINE)
+    assert set(packages) <= set(copied), f"Dockerfile misses {set(packages) - set(copied)}"
+    assert re.search(r"^FROM pytorch/pytorch:\S+-cuda\S+-runtime$", dockerfile, re.MULTILINE)
+    assert re.search(r"^USER (?!root)\w+$", dockerfile, re.MULTILINE)
+    assert 'ENTRYPOINT ["prefixgate"]' in dockerfile
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not set(packages) & set(ignored)
