@@ -38,7 +38,7 @@ def test_cache_aware_longest_prefix_wins() -> None:
 
 
 def test_cache_aware_overloaded_best_match_falls_back_to_next_best() -> None:
-    # bound = ceil(1.25 * (12 + 1) / 4) + 1 = 6; r1 would hold 10 > 6.
+    # bound = ceil(1.1 * (12 + 1) / 4) = 4; r0 would hold 10 > 4.
     choice = policy("cache_aware").choose(request([9, 1, 1, 1], [8, 4, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r1", "overload_fallback")
 
@@ -50,7 +50,8 @@ def test_cache_aware_hot_prefix_spreads_to_an_open_replica() -> None:
 
 
 def test_cache_aware_small_imbalance_keeps_the_match() -> None:
-    choice = policy("cache_aware").choose(request([3, 1, 1, 1], [8, 0, 0, 0]))  # type: ignore[attr-defined]
+    # bound = ceil(1.1 * (15 + 1) / 4) = 5: r0 taking a 5th request is within its share.
+    choice = policy("cache_aware").choose(request([4, 4, 3, 4], [8, 0, 0, 0]))  # type: ignore[attr-defined]
     assert choice.replica_id == "r0"
 
 

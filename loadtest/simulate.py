@@ -1,0 +1,433 @@
+"""Deterministic cluster simulation: real PrefixCache per replica, the real Router, queues.
+
+No model and no HTTP: a discrete-event loop on a simulated clock. Each replica has the
+real ``replica.prefix_cache.PrefixCache`` with a finite number of blocks, whose listener
+feeds the router block events exactly as Redis would (short keys, per-replica seq).
+
+Compute model of one replica (``CostModel``, defaults measured with smollm2-135m on
+this CPU: a 2,000-token prefill ≈ 5.6 s, one decode step ≈ 70 ms):
+
+* prefill is serial and FIFO: a request's uncached prompt tokens cost
+  ``prefill_s_per_token`` each; its prefix match happens when its prefill starts (as in
+  a real scheduler), blocks for prompt + reply are reserved then, and a request that does
+  not fit waits for blocks to be released;
+* decode runs as one continuous batch beside the prefill (chunked prefill overlaps it):
+  a step advances every running request by one token and takes
+  ``decode_s_per_token · (1 + batch_marginal · (b/scale − 1)⁺)`` for b running, so
+  batching makes tokens cheaper but not free;
+* TTFT = queueing + prefill + one decode step. When a reply ends its tokens are
+  committed to the cache and the blocks released (tail first, as the engine does).
+
+The oracle is one replica with N× the blocks and ``scale = N``: prefill N× faster,
+batches N× larger for the same step time.
+
+A session's next turn is sent ``think_s`` after the previous reply finished; its prompt
+is system + every earlier user turn and reply + the new user text. Replies are
+synthetic tokens, ``max_tokens`` long, seeded per session and turn.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtest.workloads import Session
+from replica.prefix_cache import CacheFull, PrefixCache
+from router.config import RouterConfig
+from router.protocol import BlockEvent, block_keys, root_key, short_key
+from router.router import Router
+
+MODEL_ID = "sim"
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class CostModel:
+    prefill_s_per_token: float = 0.0028
+    decode_s_per_token: float = 0.070
+    batch_marginal: float = 0.15
+
+    def prefill_s(self, tokens: int, scale: float = 1.0) -> float:
+        return tokens * self.prefill_s_per_token / scale
+
+    def step_s(self, batch: int, scale: float = 1.0) -> float:
+        extra = max(0.0, batch / scale - 1.0)
+        return self.decode_s_per_token * (1.0 + self.batch_marginal * extra)
+
+
+class WordTokenizer:
+    """Stand-in tokenizer: one id per word, stable across runs (crc32), memoized."""
+
+    def __init__(self, vocab: int = 60_000) -> None:
+        self.vocab = vocab
+        self._ids: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._ids
+        out = []
+        for word in text.split():
+            token = ids.get(word)
+            if token is None:
+                token = ids[word] = 1000 + zlib.crc32(word.encode()) % self.vocab
+            out.append(token)
+        return out
+
+
+def reply_tokens(session_id: str, turn: int, n: int) -> list[int]:
+    rng = random.Random(f"{session_id}/{turn}")
+    return [rng.randrange(1000, 61_000) for _ in range(n)]
+
+
+@dataclass(slots=True)
+class _Conversation:
+    session: Session
+    tokens: list[int]  # everything sent and received so far
+    keys: list[bytes] = field(default_factory=list)  # full-block keys of ``tokens``
+    turn: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    conv: _Conversation
+    tokens: list[int]  # the prompt
+    reply: list[int]
+    arrival: float
+    replica: int = 0
+    cached: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    first_token_at: float = 0.0
+
+
+class _Listener:
+    """PrefixCache events → Router, as the Redis publisher/sync pair would deliver them."""
+
+    def __init__(self, router: Router, replica_id: str) -> None:
+        self.router, self.replica_id, self.seq = router, replica_id, 0
+
+    def _send(self, event_type: str, keys: Sequence[bytes], parent: bytes | None = None) -> None:
+        self.seq += 1
+        event = BlockEvent(
+            self.seq,
+            event_type,  # type: ignore[arg-type]
+            tuple(short_key(k) for k in keys),
+            short_key(parent) if parent is not None else None,
+        )
+        assert self.router.apply_event(self.replica_id, event)
+
+    def on_stored(self, parent: bytes | None, keys: list[bytes]) -> None:
+        self._send("stored", keys, parent)
+
+    def on_removed(self, keys: list[bytes]) -> None:
+        self._send("removed", keys)
+
+    def on_cleared(self) -> None:
+        self._send("cleared", ())
+
+
+@dataclass(slots=True)
+class _Replica:
+    replica_id: str
+    cache: PrefixCache
+    scale: float
+    queue: deque[_Request] = field(default_factory=deque)
+    prefilling: _Request | None = None
+    running: list[tuple[float, int, _Request]] = field(default_factory=list)  # heap by V end
+    progress: float = 0.0  # V: tokens each running request has advanced (fluid batch)
+    progress_at: float = 0.0
+    version: int = 0
+    requests: int = 0
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    n_replicas: int
+    blocks_per_replica: int
+    requests: int
+    hit_rate: float  # cached prompt tokens / prompt tokens, whole cluster
+    requests_per_replica: list[int]
+    ttft_p50_s: float
+    ttft_p99_s: float
+    total_time_s: float
+    decisions: dict[str, int]
+
+    @property
+    def load_imbalance(self) -> float:
+        """max/mean requests per replica (1.0 = perfectly even)."""
+        mean = statistics.fmean(self.requests_per_replica)
+        return max(self.requests_per_replica) / mean if mean else 1.0
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "replicas": self.n_replicas,
+            "hit_rate": round(self.hit_rate, 4),
+            "max/mean": round(self.load_imbalance, 3),
+            "ttft_p50_s": round(self.ttft_p50_s, 3),
+            "ttft_p99_s": round(self.ttft_p99_s, 3),
+            "total_s": round(self.total_time_s, 1),
+        }
+
+
+class _Simulation:
+    def __init__(
+        self,
+        sessions: Sequence[Session],
+        policy: str,
+        n_replicas: int,
+        blocks_per_replica: int,
+        cost: CostModel,
+        *,
+        scale: float,
+        think_s: float,
+        seed: int,
+        config: RouterConfig | None,
+    ) -> None:
+        self.now = 0.0
+        self.cost, self.think_s = cost, think_s
+        self.router = Router(config, policy, clock=lambda: self.now, seed=seed)
+        self.root = root_key(MODEL_ID, BLOCK_SIZE)
+        self.replicas: list[_Replica] = []
+        for i in range(n_replicas):
+            rid = f"replica-{i}"
+            self.router.add_replica(rid, f"sim://{rid}", MODEL_ID, BLOCK_SIZE, static=True)
+            cache = PrefixCache(
+                blocks_per_replica, BLOCK_SIZE, MODEL_ID, listener=_Listener(self.router, rid)
+            )
+            self.replicas.append(_Replica(rid, cache, scale))
+        self.events: list[tuple[float, int, str, Any]] = []
+        self._tie = 0
+        self.tokenizer = WordTokenizer()
+        for session in sessions:
+            conv = _Conversation(session, self.tokenizer.encode(session.system))
+            self._push(session.arrival_s, "turn", conv)
+        self.ttfts: list[float] = []
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.last_sweep = 0.0
+
+    def _push(self, at: float, kind: str, payload: Any) -> None:
+        self._tie += 1
+        heapq.heappush(self.events, (at, self._tie, kind, payload))
+
+    def run(self) -> None:
+        while self.events:
+            at, _tie, kind, payload = heapq.heappop(self.events)
+            self.now = at
+            if kind == "turn":
+                self._send_turn(payload)
+            elif kind == "prefill_done":
+                self._prefill_done(payload)
+            elif kind == "decode_done":
+                replica, version = payload
+                if replica.version == version:
+                    self._decode_done(replica)
+            if self.now - self.last_sweep >= 1.0:
+                self.router.sweep()
+                self.last_sweep = self.now
+
+    # ------------------------------------------------------------------ requests
+
+    def _send_turn(self, conv: _Conversation) -> None:
+        turn = conv.session.turns[conv.turn]
+        conv.tokens = conv.tokens + self.tokenizer.encode(turn.user)
+        have = len(conv.keys)
+        parent = conv.keys[-1] if conv.keys else None
+        conv.keys += block_keys(conv.tokens, BLOCK_SIZE, self.root, parent=parent, start_block=have)
+        decision = self.router.route(conv.keys, conversation_key=conv.session.session_id)
+        index = int(decision.replica_id.rsplit("-", 1)[1])
+        reply = reply_tokens(conv.session.session_id, conv.turn, turn.max_tokens)
+        request = _Request(conv, conv.tokens, reply, self.now, index)
+        self.router.request_started(decision.replica_id)
+        replica = self.replicas[index]
+        replica.requests += 1
+        replica.queue.append(request)
+        self._start_prefill(replica)
+
+    def _start_prefill(self, replica: _Replica) -> None:
+        if replica.prefilling is not None or not replica.queue:
+            return
+        request = replica.queue[0]
+        cache, n = replica.cache, len(request.tokens)
+        match = cache.match(request.tokens)
+        held = list(match.block_ids)
+        if match.cached_tokens % BLOCK_SIZE:  # a shared partial block: copy-on-write
+            cache.release(held[-1:])
+            held = held[:-1]
+        need = math.ceil((n + len(request.reply)) / BLOCK_SIZE) - len(held)
+        try:
+            fresh = cache.allocate(need)
+        except CacheFull:
+            cache.release(held)  # wait for a running request to free blocks
+            return
+        replica.queue.popleft()
+        request.block_ids = held + fresh
+        request.cached = match.cached_tokens
+        self.prompt_tokens += n
+        self.cached_tokens += match.cached_tokens
+        replica.prefilling = request
+        done = self.now + self.cost.prefill_s(n - match.cached_tokens, replica.scale)
+        self._push(done, "prefill_done", replica)
+
+    def _prefill_done(self, replica: _Replica) -> None:
+        request = replica.prefilling
+        assert request is not None
+        replica.prefilling = None
+        replica.cache.commit(request.tokens, request.block_ids)
+        self._advance(replica)
+        request.first_token_at = self.now + self.cost.step_s(
+            len(replica.running) + 1, replica.scale
+        )
+        self.ttfts.append(request.first_token_at - request.arrival)
+        end = replica.progress + len(request.reply)
+        heapq.heappush(replica.running, (end, id(request), request))
+        self._reschedule(replica)
+        self._start_prefill(replica)
+
+    def _advance(self, replica: _Replica) -> None:
+        """Move the fluid batch's progress V up to now."""
+        if replica.running:
+            step = self.cost.step_s(len(replica.running), replica.scale)
+            replica.progress += (self.now - replica.progress_at) / step
+        replica.progress_at = self.now
+
+    def _reschedule(self, replica: _Replica) -> None:
+        replica.version += 1
+        if replica.running:
+            step = self.cost.step_s(len(replica.running), replica.scale)
+            left = max(0.0, replica.running[0][0] - replica.progress)
+            self._push(self.now + left * step, "decode_done", (replica, replica.version))
+
+    def _decode_done(self, replica: _Replica) -> None:
+        self._advance(replica)
+        _end, _id, request = heapq.heappop(replica.running)
+        replica.progress = max(replica.progress, _end)  # float drift
+        full = request.tokens + request.reply
+        replica.cache.commit(full, request.block_ids)
+        replica.cache.release(request.block_ids)
+        self.router.request_finished(replica.replica_id, ok=True)
+        conv = request.conv
+        conv.tokens = full
+        conv.turn += 1
+        if conv.turn < len(conv.session.turns):
+            self._push(self.now + self.think_s, "turn", conv)
+        self._reschedule(replica)
+        self._start_prefill(replica)
+
+
+def simulate(
+    sessions: Sequence[Session],
+    policy: str,
+    n_replicas: int,
+    blocks_per_replica: int,
+    cost_model: CostModel | None = None,
+    *,
+    compute_scale: float = 1.0,
+    think_s: float = 1.0,
+    seed: int = 0,
+    config: RouterConfig | None = None,
+) -> SimResult:
+    """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``."""
+    sim = _Simulation(
+        sessions,
+        policy,
+        n_replicas,
+        blocks_per_replica,
+        cost_model or CostModel(),
+        scale=compute_scale,
+        think_s=think_s,
+        seed=seed,
+        config=config,
+    )
+    sim.run()
+    ttfts = sorted(sim.ttfts)
+    for replica in sim.replicas:
+        replica.cache.check_invariants()
+        assert not replica.queue and replica.prefilling is None and not replica.running
+    sim.router.check_invariants()
+    return SimResult(
+        policy=policy,
+        n_replicas=n_replicas,
+        blocks_per_replica=blocks_per_replica,
+        requests=len(ttfts),
+        hit_rate=sim.cached_tokens / sim.prompt_tokens if sim.prompt_tokens else 0.0,
+        requests_per_replica=[r.requests for r in sim.replicas],
+        ttft_p50_s=_percentile(ttfts, 0.5),
+        ttft_p99_s=_percentile(ttfts, 0.99),
+        total_time_s=sim.now,
+        decisions=dict(sim.router.stats()["decisions"]),
+    )
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def working_set_blocks(sessions: Sequence[Session], max_reply: bool = True) -> int:
+    """Distinct full blocks over every prompt and reply of the workload."""
+    tokenizer, root = WordTokenizer(), root_key(MODEL_ID, BLOCK_SIZE)
+    seen: set[bytes] = set()
+    for session in sessions:
+        tokens = tokenizer.encode(session.system)
+        for i, turn in enumerate(session.turns):
+            tokens = tokens + tokenizer.encode(turn.user)
+            if max_reply:
+                tokens = tokens + reply_tokens(session.session_id, i, turn.max_tokens)
+        seen.update(block_keys(tokens, BLOCK_SIZE, root))
+    return len(seen)
+
+
+def run_comparison(
+    sessions: Sequence[Session],
+    policies: Sequence[str] = ("cache_aware", "round_robin", "consistent_hash"),
+    n_replicas: int = 4,
+    cache_fraction: float = 0.3,
+    cost_model: CostModel | None = None,
+    *,
+    blocks_per_replica: int | None = None,
+    think_s: float = 1.0,
+    seed: int = 0,
+    config: RouterConfig | None = None,
+) -> list[SimResult]:
+    """The oracle (one replica, N× blocks and compute) first, then each policy.
+
+    Each replica holds ``cache_fraction`` of the workload's working set unless
+    ``blocks_per_replica`` is given."""
+    if blocks_per_replica is None:
+        blocks_per_replica = max(64, int(cache_fraction * working_set_blocks(sessions)))
+    cost = cost_model or CostModel()
+    oracle = simulate(
+        sessions,
+        "round_robin",
+        1,
+        blocks_per_replica * n_replicas,
+        cost,
+        compute_scale=n_replicas,
+        think_s=think_s,
+        seed=seed,
+    )
+    oracle.policy = "oracle"
+    results = [oracle]
+    for policy in policies:
+        results.append(
+            simulate(
+                sessions,
+                policy,
+                n_replicas,
+                blocks_per_replica,
+                cost,
+                think_s=think_s,
+                seed=seed,
+                config=config,
+            )
+        )
+    return results

@@ -1,0 +1,76 @@
+"""The cluster simulator on small workloads (a few seconds in all)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.simulate import CostModel, WordTokenizer, run_comparison, simulate, working_set_blocks
+from loadtest.workloads import generate
+
+
+def small_chat() -> list:  # type: ignore[type-arg]
+    return generate(
+        "multi_turn_chat",
+        sessions=16,
+        turns=3,
+        system_len=200,
+        user_len=20,
+        max_tokens=16,
+        rate=0.5,
+    )
+
+
+def test_every_turn_is_served_and_runs_are_deterministic() -> None:
+    sessions = small_chat()
+    a = simulate(sessions, "cache_aware", 3, 200)
+    assert a.requests == sum(len(s.turns) for s in sessions) == sum(a.requests_per_replica)
+    assert a == simulate(sessions, "cache_aware", 3, 200)
+    assert 0 < a.hit_rate < 1 and a.ttft_p50_s <= a.ttft_p99_s < a.total_time_s
+
+
+def test_cache_aware_beats_round_robin_and_stays_near_the_oracle() -> None:
+    results = {r.policy: r for r in run_comparison(small_chat(), n_replicas=4)}
+    oracle, aware, rr = results["oracle"], results["cache_aware"], results["round_robin"]
+    assert aware.hit_rate > rr.hit_rate + 0.05
+    assert aware.hit_rate >= 0.9 * oracle.hit_rate
+    assert set(results) == {"oracle", "cache_aware", "round_robin", "consistent_hash"}
+
+
+def test_a_hot_system_prompt_is_replicated_not_hoarded() -> None:
+    sessions = generate(
+        "shared_system_prompt",
+        requests=80,
+        system_len=300,
+        question_len=20,
+        max_tokens=16,
+        rate=4.0,
+    )
+    result = simulate(sessions, "cache_aware", 4, 400)
+    assert min(result.requests_per_replica) > 0.6 * max(result.requests_per_replica)
+    assert result.hit_rate > 0.8
+    assert result.decisions.get("overload_fallback", 0) > 0
+
+
+def test_piling_onto_one_replica_shows_up_as_waiting() -> None:
+    sessions = generate(
+        "shared_system_prompt",
+        requests=40,
+        system_len=100,
+        question_len=10,
+        max_tokens=8,
+        rate=20.0,
+    )
+    spread = simulate(sessions, "round_robin", 4, 200)
+    piled = simulate(sessions, "round_robin", 1, 800)  # one replica, the same compute each
+    assert piled.ttft_p50_s > 2 * spread.ttft_p50_s
+    assert piled.total_time_s > spread.total_time_s
+
+
+def test_cost_model_and_tokenizer() -> None:
+    cost = CostModel()
+    assert cost.prefill_s(2000) == pytest.approx(5.6)
+    assert cost.step_s(1) == cost.decode_s_per_token < cost.step_s(8) < 8 * cost.step_s(1)
+    assert cost.step_s(8, scale=8) == cost.step_s(1)
+    tok = WordTokenizer()
+    assert tok.encode("a b a") == [tok.encode("a")[0], tok.encode("b")[0], tok.encode("a")[0]]
+    assert working_set_blocks(small_chat()) > 0
