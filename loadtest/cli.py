@@ -12,7 +12,6 @@ Each subcommand imports only what it needs, so ``gen`` and ``report`` stay quick
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import sys
 from collections.abc import Callable
@@ -190,29 +189,37 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         help="cache fractions for the capacity sweep ('' to skip)",
     )
     p.add_argument("--sweep-replicas", type=int, default=8)
-    p.add_argument("--model", default="tiny-random", help="whose tokenizer counts the blocks")
+    p.epilog = "Other --name value options go to the workload generator (see `bench gen -h`)."
     p.add_argument("--out", type=Path, default=Path("docs/bench/simulate.json"))
-
-
-def _plain(result: Any) -> dict[str, Any]:
-    """A simulator result as JSON-ready fields."""
-    if dataclasses.is_dataclass(result) and not isinstance(result, type):
-        return dataclasses.asdict(result)
-    if isinstance(result, dict):
-        return dict(result)
-    raise TypeError(f"cannot read a simulator result of type {type(result).__name__}")
 
 
 def _csv(text: str) -> list[str]:
     return [item for item in text.split(",") if item]
 
 
+def sim_row(result: Any) -> dict[str, Any]:
+    """A ``simulate.SimResult`` in the report's field names."""
+    return {
+        "policy": result.policy,
+        "requests": result.requests,
+        "hit_rate": result.hit_rate,
+        "ttft_p50_s": result.ttft_p50_s,
+        "ttft_p99_s": result.ttft_p99_s,
+        "total_time_s": result.total_time_s,
+        "load_max_over_mean": result.load_imbalance,
+        "requests_per_replica": {
+            f"replica-{i}": n for i, n in enumerate(result.requests_per_replica)
+        },
+        "decisions": result.decisions,
+    }
+
+
 def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
     """Policies × replica counts on each workload, and a cache-capacity sweep, to JSON."""
     import json
+    import time
 
     from loadtest import simulate, workloads
-    from loadtest.live import size_cache
 
     params = parse_params(extra)
     if args.workload:
@@ -223,38 +230,39 @@ def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
     policies = _csv(args.policies)
     experiments, sweeps = [], []
     for name, sessions in named:
-        distinct = size_cache(sessions, args.model, 1.0, 1, 1).distinct_blocks
-        blocks = args.blocks_per_replica or max(1, round(distinct * args.cache_fraction))
+        working_set = simulate.working_set_blocks(sessions)
+        blocks = args.blocks_per_replica or max(1, round(working_set * args.cache_fraction))
+        n_requests = sum(len(s.turns) for s in sessions)
         for n in (int(x) for x in _csv(args.replicas)):
+            started = time.monotonic()
             results = simulate.run_comparison(
-                sessions, policies=policies, n_replicas=n, blocks_per_replica=blocks
+                sessions, policies, n_replicas=n, blocks_per_replica=blocks, seed=args.seed
             )
-            rows = [{"policy": policy, **_plain(r)} for policy, r in results.items()]
             experiments.append(
                 {
                     "name": f"sim: {name}, {n} replicas",
-                    "rows": rows,
-                    "note": f"{len(sessions)} sessions; {blocks} blocks per replica "
-                    f"= {blocks / distinct:.2f} of {distinct} distinct prefix blocks.",
+                    "rows": [sim_row(r) for r in results],
+                    "note": f"{len(sessions)} sessions, {n_requests} requests; {blocks} blocks "
+                    f"per replica = {blocks / working_set:.2f} of the {working_set}-block "
+                    "working set; oracle = one replica with N× blocks and compute.",
                 }
             )
-            print(f"simulated {name} on {n} replicas", flush=True)
+            print(
+                f"simulated {name} on {n} replicas in {time.monotonic() - started:.1f} s",
+                flush=True,
+            )
         sweep_rows = []
         for fraction in (float(x) for x in _csv(args.sweep)):
-            size = max(1, round(distinct * fraction))
-            results = simulate.run_comparison(
+            size = max(1, round(working_set * fraction))
+            for r in simulate.run_comparison(
                 sessions,
-                policies=policies,
+                policies,
                 n_replicas=args.sweep_replicas,
                 blocks_per_replica=size,
-            )
-            for policy, r in results.items():
+                seed=args.seed,
+            ):
                 sweep_rows.append(
-                    {
-                        "policy": policy,
-                        "blocks_per_replica": size,
-                        "hit_rate": _plain(r)["hit_rate"],
-                    }
+                    {"policy": r.policy, "blocks_per_replica": size, "hit_rate": r.hit_rate}
                 )
         if sweep_rows:
             sweeps.append({"name": f"{name}, {args.sweep_replicas} replicas", "rows": sweep_rows})

@@ -6,7 +6,7 @@ assistant turns filled with text of the requested length), so that where a reque
 decides whether its prefix is cached. Then, for each policy, a fresh ``prefixgate up``
 cluster replays each workload; its per-replica ``/cache/stats`` are read around each
 replay; the cluster is stopped. The hit rate is compared with the simulated oracle's
-(one replica with N× capacity) when the simulator is available.
+(one replica with N× capacity) at the same fraction of the working set.
 
     prefixgate bench live --replicas 4 --model tiny-random \\
         --policies cache_aware,round_robin,consistent_hash,least_loaded \\
@@ -41,11 +41,21 @@ DEFAULT_WORKLOADS = "agents,multi_turn_chat"
 # Sized so that 8 clusters (4 policies × 2 workloads) of 4 tiny-random replicas finish in
 # well under 15 minutes on 2 shared CPU cores. Passed to workloads.generate().
 LIVE_PARAMS: dict[str, dict[str, Any]] = {
-    "agents": {},
-    "multi_turn_chat": {},
-    "shared_system_prompt": {},
-    "doc_qa": {},
-    "generated_shared_prefix": {},
+    "agents": {
+        "agents": 4,
+        "sessions_per_agent": 4,
+        "steps": 3,
+        "tool_prompt_len": 200,
+        "tool_output_len": 20,
+        "max_tokens": 12,
+    },
+    "multi_turn_chat": {
+        "sessions": 16,
+        "turns": 3,
+        "system_len": 100,
+        "user_len": 15,
+        "max_tokens": 12,
+    },
 }
 
 
@@ -100,8 +110,9 @@ def size_cache(
         for ids in prompts_of(session, tokenizer, rng):
             distinct.update(space.keys(ids))
             longest = max(longest, len(ids) + max(t.max_tokens for t in session.turns))
-    # Every in-flight request pins its blocks; a replica may get all of them at once.
-    min_blocks = math.ceil(longest / block_size + 1) * max(1, concurrency)
+    # A request pins all its blocks while it runs; two of the longest must fit at once
+    # (more just wait in the replica's queue for blocks).
+    min_blocks = 2 * math.ceil(longest / block_size + 1)
     num_blocks = max(math.ceil(len(distinct) * fraction), min_blocks)
     return Sizing(len(distinct), num_blocks, num_blocks / max(1, len(distinct)), min_blocks)
 
@@ -187,14 +198,18 @@ def cluster_hit_rate(stats: dict[str, dict[str, Any]]) -> float | None:
 
 
 def simulated_oracle(
-    sessions: Sequence[Session], n_replicas: int, num_blocks: int
-) -> dict[str, Any] | None:
-    """The oracle's numbers (one replica, N× capacity) from the simulator, if it exists."""
-    try:
-        from loadtest.simulate import oracle_result
-    except ImportError:
-        return None
-    return oracle_result(sessions, n_replicas, num_blocks)
+    sessions: Sequence[Session], n_replicas: int, fraction: float
+) -> dict[str, Any]:
+    """The simulated oracle (one replica with N× blocks and compute) at the same cache
+    fraction of the working set as the live replicas. Only its hit rate is comparable:
+    its times come from the simulator's cost model, not from this machine."""
+    from loadtest.simulate import run_comparison, working_set_blocks
+
+    blocks = max(1, round(fraction * working_set_blocks(sessions)))
+    (oracle,) = run_comparison(
+        sessions, policies=(), n_replicas=n_replicas, blocks_per_replica=blocks, think_s=0.0
+    )
+    return {"hit_rate": oracle.hit_rate, "requests": oracle.requests}
 
 
 @dataclass(slots=True)
@@ -208,6 +223,7 @@ class LiveConfig:
     fraction: float
     seed: int
     ready_timeout_s: float
+    run_root: Path  # the clusters' logs; not results
 
 
 class Workload(NamedTuple):
@@ -238,7 +254,7 @@ def run_policy(cfg: LiveConfig, policy: str, workloads: Sequence[Workload]) -> l
     each replay so every workload's numbers are its own.
     """
     num_blocks = max(w.sizing.num_blocks for w in workloads)
-    run_dir = cfg.out_dir / "runs" / policy
+    run_dir = cfg.run_root / policy
     print(
         f"[live] {policy}: starting {cfg.replicas} replicas, {num_blocks} blocks each…", flush=True
     )
@@ -342,16 +358,16 @@ def run_live(cfg: LiveConfig) -> Path:
             f"{w.sizing.distinct_blocks} distinct prefix blocks."
         )
         print(f"[live] {exp}: {notes[exp]}", flush=True)
-        sim = simulated_oracle(w.sessions, cfg.replicas, num_blocks)
-        if sim is not None:
-            oracle[exp] = sim
+        oracle[exp] = simulated_oracle(
+            w.sessions, cfg.replicas, num_blocks / w.sizing.distinct_blocks
+        )
     runs: list[dict[str, Any]] = []
     for policy in cfg.policies:
         runs.extend(run_policy(cfg, policy, workloads))
     elapsed = time.monotonic() - started
     data = {
         "kind": "live",
-        "config": {**asdict(cfg), "out_dir": str(cfg.out_dir)},
+        "config": {**asdict(cfg), "out_dir": str(cfg.out_dir), "run_root": str(cfg.run_root)},
         "elapsed_s": elapsed,
         "runs": runs,
         "oracle": oracle,
@@ -379,6 +395,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="each replica's KV cache as a fraction of the distinct prefix blocks",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-root", type=Path, default=Path("runs/live"), help="cluster logs")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     p.add_argument("--no-report", action="store_true", help="skip tables and plots")
 
@@ -394,6 +411,7 @@ def main(args: argparse.Namespace) -> int:
         fraction=args.cache_fraction,
         seed=args.seed,
         ready_timeout_s=args.ready_timeout_s,
+        run_root=args.run_root,
     )
     path = run_live(cfg)
     if not args.no_report:
