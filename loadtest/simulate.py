@@ -431,3 +431,39 @@ def run_comparison(
             )
         )
     return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m loadtest.simulate [kind ...]``: the oracle and three policies per kind."""
+    import argparse
+    import time
+
+    from loadtest.workloads import KINDS, generate
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("kinds", nargs="*", default=["agents", "multi_turn_chat", "doc_qa"])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--cache-fraction", type=float, default=0.3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for kind in args.kinds:
+        if kind not in KINDS:
+            parser.error(f"unknown kind {kind!r}; choose from {list(KINDS)}")
+        sessions = generate(kind, seed=args.seed)
+        started = time.perf_counter()
+        results = run_comparison(
+            sessions, n_replicas=args.replicas, cache_fraction=args.cache_fraction, seed=args.seed
+        )
+        oracle = results[0]
+        print(f"{kind}: {oracle.requests} requests, {time.perf_counter() - started:.1f} s")
+        for r in results:
+            print(
+                f"  {r.policy:16} hit {r.hit_rate:.3f} ({r.hit_rate / oracle.hit_rate:.3f}× oracle)"
+                f"  time {r.total_time_s:7.1f} s ({r.total_time_s / oracle.total_time_s:.3f}×)"
+                f"  max/mean {r.load_imbalance:.2f}  TTFT p50 {r.ttft_p50_s:.2f} s"
+                f" p99 {r.ttft_p99_s:.2f} s"
+            )
+
+
+if __name__ == "__main__":
+    main()
