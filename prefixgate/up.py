@@ -11,18 +11,32 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 
 from prefixgate.models import DEFAULT_MODEL, model_dir
-from prefixgate.procs import ChildDied, port_is_free, start_redis
+from prefixgate.procs import ChildDied, start_redis
 from prefixgate.stack import Child, Stack, pick_ports, report_death
 
 
 def connect_host(host: str) -> str:
     """Where local clients reach a server bound to ``host``."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def can_listen(port: int, host: str) -> bool:
+    """Whether a server could listen on ``port``: bound the way uvicorn binds, with
+    SO_REUSEADDR, so the TIME_WAIT connections of a stack just stopped do not count."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen()
+        except OSError:
+            return False
+        return True
 
 
 def replica_device(device: str, index: int) -> str:
@@ -105,7 +119,7 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
     fixed = [args.port]
     if args.replica_base_port is not None:
         fixed += [args.replica_base_port + i for i in range(args.replicas)]
-    busy = [p for p in fixed if not port_is_free(p, host)]
+    busy = [p for p in fixed if not can_listen(p, host)]
     if busy:
         print(f"prefixgate up: port(s) {busy} already in use; choose others", file=sys.stderr)
         return 1
@@ -119,6 +133,8 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
         stack.add(Child("redis", proc, redis_log, redis_port, stage=0))
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         print(f"  redis ready at {redis_url}", flush=True)
+    if stack.stop_signal is not None:  # Ctrl-C while Redis started: start nothing more
+        return 0
 
     replica_urls = [f"http://{host}:{p}" for p in replica_ports]
     for i, port in enumerate(replica_ports):

@@ -61,18 +61,6 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def nothing_listens(port: int) -> bool:
-    """Bindable the way a server binds (SO_REUSEADDR, so TIME_WAIT does not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-        return True
-
-
 def up_command(port: int, run_dir: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "prefixgate", "up", "--port", str(port), "--run-dir", str(run_dir),
@@ -139,6 +127,19 @@ def test_banner_tells_how_to_call_the_gateway(tmp_path: Path) -> None:
     assert "curl http://127.0.0.1:8123/v1/chat/completions" in text
     assert 'OpenAI(base_url="http://127.0.0.1:8123/v1"' in text
     assert "prefixgate chat" in text
+
+
+def test_a_busy_port_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert up.main(["--port", str(port), "--run-dir", str(tmp_path)]) == 1
+    assert f"port(s) [{port}] already in use" in capsys.readouterr().err
+    assert not (tmp_path / PIDS_FILE).exists()  # nothing was started
+    assert up.can_listen(port, "127.0.0.1")  # and once released, it is free again
 
 
 # --------------------------------------------------------------------------- process stack
@@ -288,7 +289,7 @@ def test_up_serves_caches_and_stops_cleanly(
     assert "all processes stopped" in output
     for child in listed:
         assert not group_alive(child.pid), f"{child.name} (pid {child.pid}) outlived up"
-        assert nothing_listens(child.port), f"{child.name}'s port {child.port} is still bound"
+        assert up.can_listen(child.port, "127.0.0.1"), f"{child.name}'s port is still bound"
 
 
 def test_up_reports_a_child_that_dies_and_stops_the_rest(tmp_path: Path) -> None:
