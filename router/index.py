@@ -87,7 +87,7 @@ class PrefixIndex:
 
         ``tentative_until``: an optimistic insert, dropped by ``expire`` after that time
         unless a confirming insert (``tentative_until=None``) comes first. Blocks already
-        confirmed stay confirmed.
+        confirmed stay confirmed; blocks already tentative keep their first deadline.
         """
         blocks = self._blocks_of(replica_id)
         bit = 1 << blocks.slot
@@ -113,9 +113,8 @@ class PrefixIndex:
                 tentative.update(dict.fromkeys(tail, tentative_until))
         head_keys = keys[:head]
         deque(map(lru.move_to_end, reversed(head_keys)), maxlen=0)
-        if tentative:
-            for key in tentative.keys() & set(head_keys):
-                self._retag(tentative, key, tentative_until)
+        if tentative_until is None and tentative:  # confirmed: no longer tentative
+            deque(map(tentative.pop, head_keys, repeat(None)), maxlen=0)
         overflow = len(lru) - self.max_blocks_per_replica
         for _ in range(overflow):
             key, _none = lru.popitem(last=False)
@@ -140,12 +139,10 @@ class PrefixIndex:
 
     @staticmethod
     def _retag(tentative: dict[bytes, float], key: bytes, until: float | None) -> None:
-        """A held block seen again: confirmed (until None) or a refreshed deadline."""
+        """A held block seen again: an event confirms it (until None); a repeated
+        optimistic insert keeps the first deadline (the dict stays in deadline order)."""
         if until is None:
             tentative.pop(key, None)
-        elif key in tentative:
-            del tentative[key]  # re-append: keeps the dict in deadline order
-            tentative[key] = until
 
     def remove(self, replica_id: str, keys: Iterable[bytes]) -> None:
         """The replica no longer holds ``keys`` (unknown keys are ignored)."""
