@@ -163,9 +163,8 @@ class CompletionRequest(_SamplingFields):
         if isinstance(value, list):
             if not value:
                 raise ValueError("prompt must not be empty")
-            if isinstance(value[0], str | list):
-                if len(value) != 1:
-                    raise ValueError("batched prompts are not supported; send one prompt")
+            if isinstance(value[0], str | list) and len(value) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt")
         return value
 
     @property
