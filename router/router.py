@@ -106,7 +106,20 @@ class Router:
         *,
         static: bool = False,
     ) -> None:
-        """Add a replica, or refresh its address/model and heartbeat if already known."""
+        """Add a replica, or refresh its address/model and heartbeat if already known.
+
+        A replica given statically by URL (named after its address) that later registers
+        in Redis under its own id is one replica, not two: the static entry gives way to
+        the registered id, which stays static (it never expires)."""
+        alias = self._alias(replica_id, url)
+        if alias is not None and static:
+            # Already known under its registered id: that entry becomes static.
+            replica_id, static = alias, True
+            url = self._replicas[alias].url
+            model = model or self._replicas[alias].model
+        elif alias is not None and self._replicas[alias].static:
+            self.remove_replica(alias)
+            static = True
         view = self._replicas.get(replica_id)
         if view is None:
             breaker = CircuitBreaker(
@@ -120,6 +133,14 @@ class Router:
         view.url, view.model, view.block_size = url, model, block_size
         view.static = view.static or static
         view.last_seen = self.clock()
+
+    def _alias(self, replica_id: str, url: str) -> str | None:
+        """The id of another replica at the same address, if any."""
+        wanted = _normal_url(url)
+        for other_id, view in self._replicas.items():
+            if other_id != replica_id and _normal_url(view.url) == wanted:
+                return other_id
+        return None
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget the replica: it leaves the ring and the index."""
@@ -285,3 +306,8 @@ class Router:
         for view in self._replicas.values():
             view.breaker.check_invariants()
             assert view.load.in_flight >= 0
+
+
+def _normal_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url.removesuffix("/v1").rstrip("/")

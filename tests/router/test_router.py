@@ -135,3 +135,17 @@ def test_local_in_flight_counts_and_stats() -> None:
     stats = router.stats()
     assert stats["decisions"] and stats["index_blocks"] == 1
     assert stats["replicas"][d.replica_id]["in_flight"] == 0
+
+
+def test_static_replica_and_its_registration_are_one_replica() -> None:
+    router = Router(seed=0)
+    router.add_replica("127.0.0.1:8101", "http://127.0.0.1:8101", "m", static=True)
+    # The same process registers in Redis under its own id: one replica, now static.
+    router.add_replica("replica-a", "http://127.0.0.1:8101/", "m")
+    assert list(router.replicas) == ["replica-a"]
+    assert router.replicas["replica-a"].static
+    # The gateway refreshing its static entry does not bring the address back twice.
+    router.add_replica("127.0.0.1:8101", "http://127.0.0.1:8101", "m", static=True)
+    assert list(router.replicas) == ["replica-a"]
+    router.add_replica("replica-b", "http://127.0.0.1:8102", "m")
+    assert sorted(router.replicas) == ["replica-a", "replica-b"]
