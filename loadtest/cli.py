@@ -152,6 +152,7 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 SIM_POLICIES = "cache_aware,round_robin,consistent_hash,least_loaded"
+MIN_SIM_BLOCKS = 64
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -231,7 +232,10 @@ def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
     experiments, sweeps = [], []
     for name, sessions in named:
         working_set = simulate.working_set_blocks(sessions)
-        blocks = args.blocks_per_replica or max(1, round(working_set * args.cache_fraction))
+        # The simulator's own floor: smaller caches cannot hold one long request.
+        blocks = args.blocks_per_replica or max(
+            MIN_SIM_BLOCKS, round(working_set * args.cache_fraction)
+        )
         n_requests = sum(len(s.turns) for s in sessions)
         for n in (int(x) for x in _csv(args.replicas)):
             started = time.monotonic()
@@ -253,7 +257,7 @@ def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
             )
         sweep_rows = []
         for fraction in (float(x) for x in _csv(args.sweep)):
-            size = max(1, round(working_set * fraction))
+            size = max(MIN_SIM_BLOCKS, round(working_set * fraction))
             for r in simulate.run_comparison(
                 sessions,
                 policies,

@@ -38,22 +38,24 @@ if TYPE_CHECKING:
 DEFAULT_POLICIES = "cache_aware,round_robin,consistent_hash,least_loaded"
 DEFAULT_WORKLOADS = "agents,multi_turn_chat"
 
-# Sized so that 8 clusters (4 policies × 2 workloads) of 4 tiny-random replicas finish in
-# well under 15 minutes on 2 shared CPU cores. Passed to workloads.generate().
+# Sized so that 4 clusters (one per policy, both workloads each) of 4 tiny-random replicas
+# finish well under 15 minutes on 2 shared CPU cores. Passed to workloads.generate().
 LIVE_PARAMS: dict[str, dict[str, Any]] = {
+    # Both about 780 distinct 16-token blocks (SmolLM2 tokenizer), so that one cache size
+    # is about a third of either.
     "agents": {
         "agents": 4,
-        "sessions_per_agent": 4,
-        "steps": 3,
+        "sessions_per_agent": 8,
+        "steps": 4,
         "tool_prompt_len": 200,
         "tool_output_len": 20,
         "max_tokens": 12,
     },
     "multi_turn_chat": {
-        "sessions": 16,
-        "turns": 3,
+        "sessions": 36,
+        "turns": 4,
         "system_len": 100,
-        "user_len": 15,
+        "user_len": 25,
         "max_tokens": 12,
     },
 }

@@ -317,6 +317,7 @@ def plot_capacity(report: Report, path: Path) -> Path | None:
                 linestyle="--" if policy == ORACLE else "-",
             )
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(PLAIN_NUMBER)
         ax.set_xlabel("KV cache per replica (blocks, log scale)")
         ax.set_ylabel("token hit rate (cached / prompt tokens)")
         ax.set_ylim(0, 1.02)

@@ -102,3 +102,42 @@ def test_run_then_report(tmp_path: Path) -> None:
 
 def test_report_of_a_missing_file_fails(tmp_path: Path) -> None:
     assert main(["report", str(tmp_path / "nope.json"), "--out-dir", str(tmp_path)]) == 2
+
+
+def test_simulate_writes_a_comparison_the_report_reads(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    code = main(
+        [
+            "simulate",
+            "--kinds",
+            "multi_turn_chat",
+            "--replicas",
+            "2,4",
+            "--policies",
+            "cache_aware,round_robin",
+            "--sweep",
+            "0.25,1.0",
+            "--sweep-replicas",
+            "2",
+            "--out",
+            str(out),
+            "--sessions",
+            "8",
+            "--turns",
+            "2",
+        ]
+    )
+    assert code == 0
+    data = json.loads(out.read_text())
+    names = [e["name"] for e in data["experiments"]]
+    assert names == ["sim: multi_turn_chat, 2 replicas", "sim: multi_turn_chat, 4 replicas"]
+    for exp in data["experiments"]:
+        assert [r["policy"] for r in exp["rows"]] == ["oracle", "cache_aware", "round_robin"]
+        for row in exp["rows"]:
+            assert row["requests"] == 16 and 0.0 <= row["hit_rate"] <= 1.0
+            assert sum(row["requests_per_replica"].values()) == 16
+    (sweep,) = data["capacity_sweep"]
+    assert len(sweep["rows"]) == 2 * 3  # two sizes × (oracle + two policies)
+
+    assert main(["report", str(out), "--out-dir", str(tmp_path / "bench")]) == 0
+    assert (tmp_path / "bench" / "hit_rate_vs_capacity.png").is_file()
