@@ -1,7 +1,9 @@
-"""The FastAPI app: OpenAI endpoints, health, readiness and metrics.
+"""The gateway's ASGI app: OpenAI endpoints, health, readiness and metrics.
 
-Everything the handlers need (router, HTTP client, tokenizers, tenants, metrics) lives on
-``app.state.gateway`` — built by ``create_app``, started and stopped by its lifespan.
+``GatewayApp`` sends the two hot paths (chat and text completions) to the raw ASGI
+handler in gateway/handler.py and everything else, lifespan included, to a FastAPI app.
+Everything the handlers need (router, upstream client, tokenizers, tenants, metrics) lives
+in one ``GatewayState`` — built by ``create_app``, started and stopped by the lifespan.
 """
 
 from __future__ import annotations
@@ -9,43 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Authenticator, load_api_keys
 from gateway.config import GatewayConfig
-from gateway.exchange import Exchange
+from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.metrics import GatewayMetrics
 from gateway.probes import add_static_replicas, learn_static_models, probe_loop
-from gateway.proxy import (
-    StreamingProxy,
-    UpstreamFailure,
-    buffered_response,
-    failure_response,
-    forward_headers,
-    json_response,
-    open_upstream,
-)
 from gateway.routing import KeyBuilder
-from prefixgate.wire import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    error_body,
-    parse_request,
-)
-from router.conversation import conversation_key
+from gateway.upstream import Upstream, make_upstream
+from prefixgate.wire import OpenAIError, error_body
 from router.router import Router
 
 if TYPE_CHECKING:
@@ -58,7 +42,8 @@ log = logging.getLogger("prefixgate.gateway")
 class GatewayState:
     config: GatewayConfig
     router: Router
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # probes and model discovery
+    upstream: Upstream  # forwarded requests
     keys: KeyBuilder
     auth: Authenticator
     metrics: GatewayMetrics
@@ -72,6 +57,9 @@ class GatewayState:
                 return int(view.block_size)
         return None
 
+    def has_unknown_model_replica(self) -> bool:
+        return any(v.model == "" for v in self.router.replicas.values())
+
     def models(self, *, healthy_only: bool) -> list[str]:
         return sorted(
             {
@@ -83,25 +71,25 @@ class GatewayState:
 
 
 def make_client(config: GatewayConfig) -> httpx.AsyncClient:
-    """One pooled keep-alive client for every upstream call. The aiohttp transport keeps
-    httpx's API at a fraction of its default transport's per-request cost."""
-    limits = httpx.Limits(
-        max_connections=config.max_connections,
-        max_keepalive_connections=config.max_connections,
-        keepalive_expiry=30.0,
-    )
-    timeout = httpx.Timeout(
-        connect=config.connect_timeout_s,
-        read=config.upstream_timeout_s,
-        write=config.upstream_timeout_s,
-        pool=config.upstream_timeout_s,
-    )
-    if config.transport == "aiohttp":
-        from httpx_aiohttp import AiohttpTransport
+    """The client for probes and model discovery (a few requests a second at most)."""
+    timeout = httpx.Timeout(config.probe_timeout_s, connect=config.connect_timeout_s)
+    return httpx.AsyncClient(timeout=timeout, trust_env=False)
 
-        transport = AiohttpTransport(limits=limits, trust_env=False)
-        return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+class GatewayApp:
+    """The ASGI entry point: hot paths straight to the raw handler, the rest to FastAPI."""
+
+    __slots__ = ("fallback", "state")
+
+    def __init__(self, state: GatewayState, fallback: FastAPI) -> None:
+        self.state = state
+        self.fallback = fallback
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in HOT_PATHS:
+            await serve_completion(self.state, scope, receive, send, scope["path"])
+        else:
+            await self.fallback(scope, receive, send)
 
 
 def create_app(
@@ -109,13 +97,19 @@ def create_app(
     *,
     router: Router | None = None,
     keys: KeyBuilder | None = None,
-) -> FastAPI:
+) -> GatewayApp:
     router = router or Router(policy=config.policy)
     auth = Authenticator(load_api_keys(config.api_keys_path) if config.api_keys_path else None)
     state = GatewayState(
         config=config,
         router=router,
         client=make_client(config),
+        upstream=make_upstream(
+            config.transport,
+            config.max_connections,
+            config.connect_timeout_s,
+            config.upstream_timeout_s,
+        ),
         keys=keys or KeyBuilder(config.tokenizer, inline_chars=config.inline_tokenize_chars),
         auth=auth,
         metrics=GatewayMetrics(lambda: router.replicas),
@@ -123,7 +117,7 @@ def create_app(
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
     _add_routes(app)
-    return app
+    return GatewayApp(state, app)
 
 
 @contextlib.asynccontextmanager
@@ -135,6 +129,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             "no --api-keys: the gateway is OPEN (no authentication) and every request "
             "shares one cache namespace; fine for local use only"
         )
+    await state.upstream.start()
     pending = await add_static_replicas(state)
     if config.redis_url:
         from router.sync import RedisSync
@@ -163,17 +158,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.sync is not None:
             await state.sync.aclose()
         await state.client.aclose()
+        await state.upstream.aclose()
 
 
 def _add_routes(app: FastAPI) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, "chat", ChatCompletionRequest, "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, "completions", CompletionRequest, "/v1/completions")
-
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
@@ -188,7 +176,7 @@ def _add_routes(app: FastAPI) -> None:
         if denied := _denied(state, request):
             return denied
         if model not in state.models(healthy_only=False):
-            return JSONResponse(_unknown_model(model).body(), 404)
+            return JSONResponse(unknown_model(model).body(), 404)
         return JSONResponse(_model_card(model))
 
     @app.get("/health")
@@ -220,85 +208,6 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(error_body(message, code=code), exc.status_code)
 
 
-async def handle(request: Request, endpoint: str, schema: type[BaseModel], path: str) -> Response:
-    state: GatewayState = request.app.state.gateway
-    ex = Exchange(
-        request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-        endpoint=endpoint,
-        started=time.perf_counter(),
-    )
-    try:
-        response = await _proxy(state, request, ex, schema, path)
-    except OpenAIError as err:
-        response = json_response(err.status, err.body(), ex, err.headers)
-    except Exception:
-        log.exception("request %s failed inside the gateway", ex.request_id)
-        body = error_body("The gateway failed on this request.", type="server_error")
-        response = json_response(500, body, ex)
-    if not isinstance(response, StreamingProxy):  # a stream records itself when it ends
-        ex.finish(state)
-    return response
-
-
-async def _proxy(
-    state: GatewayState, request: Request, ex: Exchange, schema: type[BaseModel], path: str
-) -> Response:
-    tenant = state.auth.authenticate(request.headers.get("authorization"))
-    ex.tenant = tenant.name
-    raw = await read_body(request, state.config.max_body_bytes)
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise OpenAIError("The request body is not valid JSON.", code="invalid_json") from None
-    parsed = parse_request(schema, body)
-    assert isinstance(parsed, ChatCompletionRequest | CompletionRequest)
-    ex.model = parsed.model
-    ex.stream = parsed.stream
-    block_size = state.served_block_size(parsed.model)
-    route_model: str | None = parsed.model
-    if block_size is None:
-        if not any(v.model == "" for v in state.router.replicas.values()):
-            raise _unknown_model(parsed.model)
-        # Only replicas whose model is not known yet: let any of them try.
-        route_model, block_size = None, state.config.block_size
-    ex.block_size = block_size
-
-    salt = state.auth.forwarded_salt(tenant, parsed.cache_salt)
-    if salt != body.get("cache_salt"):
-        # The only case where the body is re-serialized; otherwise the bytes pass as sent.
-        if salt is None:
-            body.pop("cache_salt", None)
-        else:
-            body["cache_salt"] = salt
-        raw = json.dumps(body, separators=(",", ":")).encode()
-
-    prompt = await state.keys.keys(parsed, parsed.model, block_size, salt or "")
-    conversation = conversation_key(body, request.headers)
-    headers = forward_headers(request.headers.raw, ex.request_id, state.auth.open)
-    result = await open_upstream(
-        state, ex, prompt.keys, conversation, route_model, path, raw, headers
-    )
-    if isinstance(result, UpstreamFailure):
-        return failure_response(result, ex)
-    if parsed.stream and result.response.status_code < 400:
-        return StreamingProxy(state, result, ex)
-    return await buffered_response(state, result, ex, request.receive)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _denied(state: GatewayState, request: Request) -> Response | None:
     """The 401 answer when keys are configured and the request has no valid one."""
     try:
@@ -306,23 +215,6 @@ def _denied(state: GatewayState, request: Request) -> Response | None:
     except OpenAIError as err:
         return JSONResponse(err.body(), err.status, headers=err.headers)
     return None
-
-
-def _too_large(limit: int) -> OpenAIError:
-    return OpenAIError(
-        f"The request body is larger than the gateway's limit of {limit} bytes.",
-        status=413,
-        code="request_too_large",
-    )
-
-
-def _unknown_model(model: str) -> OpenAIError:
-    return OpenAIError(
-        f"The model `{model}` does not exist or no replica serves it.",
-        status=404,
-        param="model",
-        code="model_not_found",
-    )
 
 
 def _model_card(model: str) -> dict[str, Any]:

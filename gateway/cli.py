@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
+from gateway.upstream import TRANSPORTS
 
 
 def fast_server_options() -> dict[str, Any]:
@@ -75,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout-s", type=float, default=float(_env("connect-timeout-s") or 2))
     p.add_argument("--probe-interval-s", type=float, default=float(_env("probe-interval-s") or 2))
     p.add_argument(
-        "--transport", choices=("aiohttp", "httpx"), default=_env("transport") or "aiohttp"
+        "--transport",
+        choices=TRANSPORTS,
+        default=_env("transport") or "aiohttp",
+        help="HTTP client for forwarded requests: aiohttp (fastest), or httpx's API over "
+        "its own transport or aiohttp's",
     )
     p.add_argument("--gateway-id", default=_env("gateway-id"))
     p.add_argument("--log-level", default=_env("log-level") or "info")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
+from gateway.upstream import Transport
 from router.protocol import DEFAULT_BLOCK_SIZE
 
 POLICIES = (
@@ -16,8 +16,6 @@ POLICIES = (
     "power_of_two",
     "consistent_hash",
 )
-
-Transport = Literal["aiohttp", "httpx"]
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ class Exchange:
     ttfb: float | None = None  # perf_counter() at the first upstream byte
     cached_tokens: int | None = None  # as the replica reported it
     retries: int = 0
+    responded: bool = False  # the response head went out
     finished: bool = False
 
     def set_decision(self, replica_id: str, decision: Any) -> None:
@@ -40,14 +41,15 @@ class Exchange:
         self.matched_blocks = int(decision.matched_blocks)
         self.total_blocks = int(decision.total_blocks)
 
-    def headers(self) -> dict[str, str]:
-        headers = {"x-request-id": self.request_id}
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        headers = [(b"x-request-id", self.request_id.encode("latin-1"))]
         if self.replica is not None:
-            headers["x-prefixgate-replica"] = self.replica
-            headers["x-prefixgate-route"] = (
+            route = (
                 f"{self.reason}; matched={self.matched_blocks}/{self.total_blocks}"
                 f"; retries={self.retries}"
             )
+            headers.append((b"x-prefixgate-replica", self.replica.encode("latin-1")))
+            headers.append((b"x-prefixgate-route", route.encode("latin-1")))
         return headers
 
     def finish(self, state: GatewayState) -> None:
@@ -56,16 +58,17 @@ class Exchange:
             return
         self.finished = True
         end = time.perf_counter()
-        m = state.metrics
-        replica = self.replica or "none"
-        m.requests.labels(self.endpoint, str(self.status), replica).inc()
-        m.e2e.labels(self.endpoint).observe(end - self.started)
-        if self.ttfb is not None:
-            m.ttft.labels(self.endpoint).observe(self.ttfb - self.started)
-        if self.replica is not None and self.status < 400:
-            m.predicted_tokens.labels(replica).inc(self.matched_blocks * self.block_size)
-            if self.cached_tokens is not None:
-                m.cached_tokens.labels(replica).inc(self.cached_tokens)
+        ttfb = None if self.ttfb is None else self.ttfb - self.started
+        predicted = self.matched_blocks * self.block_size
+        state.metrics.exchange(
+            self.endpoint,
+            self.status,
+            self.replica,
+            end - self.started,
+            ttfb,
+            predicted,
+            self.cached_tokens,
+        )
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(json.dumps(self._record(end), separators=(",", ":")))
 

@@ -45,7 +45,11 @@ class ReplicaCollector(Collector):
 
 
 class GatewayMetrics:
+    """The gateway's metrics. The per-request calls (``exchange``, ``decision``) keep the
+    labelled children they touched, since ``labels()`` costs a lock and a validation."""
+
     __slots__ = (
+        "_children",
         "cached_tokens",
         "decisions",
         "e2e",
@@ -111,6 +115,41 @@ class GatewayMetrics:
         )
         if replicas is not None:
             r.register(ReplicaCollector(replicas))
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def exchange(
+        self,
+        endpoint: str,
+        status: int,
+        replica: str | None,
+        seconds: float,
+        ttfb_s: float | None,
+        predicted_tokens: int,
+        cached_tokens: int | None,
+    ) -> None:
+        """One finished request: its count, latencies and cache accounting."""
+        self._child(self.requests, endpoint, str(status), replica or "none").inc()
+        self._child(self.e2e, endpoint).observe(seconds)
+        if ttfb_s is not None:
+            self._child(self.ttft, endpoint).observe(ttfb_s)
+        if replica is not None and status < 400:
+            self._child(self.predicted_tokens, replica).inc(predicted_tokens)
+            if cached_tokens is not None:
+                self._child(self.cached_tokens, replica).inc(cached_tokens)
+
+    def decision(self, reason: str) -> None:
+        """A routing decision; the reason's first word is the label ("prefix_match")."""
+        self._child(self.decisions, reason.split(" ", 1)[0]).inc()
+
+    def upstream_failure(self, replica: str, kind: str) -> None:
+        self.upstream_failures.labels(replica, kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

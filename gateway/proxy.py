@@ -1,25 +1,23 @@
-"""Forwarding: pick a replica, send the original body, stream the answer back.
+"""Forwarding: pick a replica, send the original body, pass the answer back (raw ASGI).
 
 One attempt, and one retry on the next-best replica when the first fails before its first
 byte (connection refused, timeout, 5xx). After the first byte the answer is committed: a
-stream that breaks ends with an SSE error event, never a silent truncation. A client that
-goes away closes the upstream response, so the replica sees the disconnect and frees the
-request's blocks.
+stream that breaks ends with an SSE error event, never a silent truncation. Closing an
+unfinished upstream answer drops its connection, which is how the replica learns that the
+client left (gateway/handler.py cancels the forwarding when that happens).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import httpx
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 from gateway.exchange import Exchange
+from gateway.upstream import UpstreamError, UpstreamResponse
 from prefixgate.wire import OpenAIError, error_body, is_error_body
 from router.router import NoHealthyReplica
 
@@ -41,11 +39,12 @@ DROPPED_HEADERS = frozenset(
     }
 )
 RETRY_AFTER_S = "1"
+JSON_TYPE = (b"content-type", b"application/json")
 
 
 class Attempt(NamedTuple):
     replica_id: str
-    response: httpx.Response
+    response: UpstreamResponse
 
 
 class UpstreamFailure(NamedTuple):
@@ -64,7 +63,7 @@ async def open_upstream(
     model: str | None,
     path: str,
     body: bytes,
-    headers: list[tuple[bytes, bytes]],
+    headers: dict[str, str],
 ) -> Attempt | UpstreamFailure:
     """Route and send; retry once elsewhere if the replica fails before answering."""
     router = state.router
@@ -89,34 +88,36 @@ async def open_upstream(
             state.metrics.retries.inc()
         tried.append(rid)
         ex.set_decision(rid, decision)
-        state.metrics.decisions.labels(decision.reason.split(" ", 1)[0]).inc()
+        state.metrics.decision(decision.reason)
         view = router.replicas.get(rid)
         if view is None:  # removed between route() and here
             continue
         router.request_started(rid)
-        request = state.client.build_request("POST", view.url + path, content=body, headers=headers)
         try:
-            response = await state.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await state.upstream.post(view.url + path, body, headers)
+        except UpstreamError as exc:
             router.request_finished(rid, ok=False)
-            state.metrics.upstream_failures.labels(rid, type(exc).__name__).inc()
-            failure = UpstreamFailure(None, b"", f"replica {rid} failed: {type(exc).__name__}")
+            state.metrics.upstream_failure(rid, exc.kind)
+            failure = UpstreamFailure(None, b"", f"replica {rid} failed: {exc.kind}")
             continue
-        if response.status_code < 500:
+        except BaseException:  # cancelled (the client left): the replica did nothing wrong
+            router.request_finished(rid, ok=True)
+            raise
+        if response.status < 500:
             return Attempt(rid, response)
         try:
-            error = await response.aread()
-        except httpx.HTTPError:
+            error = await response.read()
+        except UpstreamError:
             error = b""
         finally:
-            await response.aclose()
-        router.request_finished(rid, ok=False)
-        state.metrics.upstream_failures.labels(rid, f"http_{response.status_code}").inc()
-        failure = UpstreamFailure(response.status_code, error, f"replica {rid} failed")
+            await response.close()
+            router.request_finished(rid, ok=False)
+        state.metrics.upstream_failure(rid, f"http_{response.status}")
+        failure = UpstreamFailure(response.status, error, f"replica {rid} failed")
     return failure
 
 
-def failure_response(failure: UpstreamFailure, ex: Exchange) -> Response:
+async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
     """After the retry: the last 5xx as it came (OpenAI-shaped), or 502 if none answered."""
     if failure.status is None:
         body = error_body(
@@ -124,173 +125,124 @@ def failure_response(failure: UpstreamFailure, ex: Exchange) -> Response:
             type="server_error",
             code="upstream_unavailable",
         )
-        return json_response(502, body, ex)
-    return error_passthrough(failure.status, failure.body, ex)
+        await send_json(send, 502, body, ex)
+    else:
+        await send_error_passthrough(send, failure.status, failure.body, ex)
 
 
-def error_passthrough(status: int, raw: bytes, ex: Exchange) -> Response:
+async def send_error_passthrough(send: Send, status: int, raw: bytes, ex: Exchange) -> None:
     """An upstream error answer; bodies that are not OpenAI-shaped get wrapped."""
     try:
         parsed = json.loads(raw) if raw else None
     except ValueError:
         parsed = None
     if is_error_body(parsed):
-        return Response(raw, status, headers=ex.headers(), media_type="application/json")
+        await send_bytes(send, status, raw, [JSON_TYPE], ex)
+        return
     text = raw.decode("utf-8", "replace").strip()[:2000]
     body = error_body(
         f"Upstream replica answered {status}: {text or '(empty body)'}",
         type="server_error" if status >= 500 else "invalid_request_error",
         code="upstream_error",
     )
-    return json_response(status, body, ex)
+    await send_json(send, status, body, ex)
 
 
-def json_response(
-    status: int, body: dict[str, Any], ex: Exchange, extra: dict[str, str] | None = None
-) -> Response:
-    ex.status = status
-    headers = ex.headers()
+async def send_json(
+    send: Send,
+    status: int,
+    body: dict[str, Any],
+    ex: Exchange,
+    extra: dict[str, str] | None = None,
+) -> None:
+    headers = [JSON_TYPE]
     if extra:
-        headers.update(extra)
-    return Response(
-        json.dumps(body, separators=(",", ":")).encode(),
-        status,
-        headers=headers,
-        media_type="application/json",
-    )
+        headers.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
+    data = json.dumps(body, separators=(",", ":")).encode()
+    await send_bytes(send, status, data, headers, ex)
 
 
-def response_headers(upstream: httpx.Response, ex: Exchange) -> list[tuple[bytes, bytes]]:
-    raw = [(k, v) for k, v in upstream.headers.raw if k.lower() not in DROPPED_HEADERS]
-    raw.extend((k.encode(), v.encode()) for k, v in ex.headers().items())
-    return raw
+async def send_bytes(
+    send: Send, status: int, data: bytes, headers: list[tuple[bytes, bytes]], ex: Exchange
+) -> None:
+    """A whole answer: our headers added, Content-Length set."""
+    ex.status = status
+    headers.extend(ex.raw_headers())
+    headers.append((b"content-length", str(len(data)).encode()))
+    ex.responded = True
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
 
 
-async def buffered_response(
-    state: GatewayState, attempt: Attempt, ex: Exchange, receive: Receive
-) -> Response:
-    """A non-streaming answer: read it whole (the client leaving cancels the read)."""
+def passed_headers(upstream: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The upstream response headers the client gets (ours are added on top)."""
+    return [(k, v) for k, v in upstream if k.lower() not in DROPPED_HEADERS]
+
+
+async def send_buffered(state: GatewayState, attempt: Attempt, ex: Exchange, send: Send) -> None:
+    """A non-streaming answer: read it whole, then send it with a Content-Length."""
     upstream = attempt.response
     ok = False
     try:
-        raw = await _unless_disconnected(upstream.aread(), receive)
+        raw = await upstream.read()
         ok = True
-    except httpx.HTTPError as exc:
-        state.metrics.upstream_failures.labels(attempt.replica_id, type(exc).__name__).inc()
-        ex.status = 502
+    except UpstreamError as exc:
+        state.metrics.upstream_failure(attempt.replica_id, exc.kind)
         body = error_body(
-            f"Replica {attempt.replica_id} failed while answering: {type(exc).__name__}.",
+            f"Replica {attempt.replica_id} failed while answering: {exc.kind}.",
             type="server_error",
             code="upstream_error",
         )
-        return json_response(502, body, ex)
-    except ClientGone:
-        ex.status = 499
-        ok = True  # the replica did nothing wrong
-        return Response(b"", 499)
+        await send_json(send, 502, body, ex)
+        return
+    except BaseException:  # cancelled (the client left): the replica did nothing wrong
+        ok = True
+        raise
     finally:
         ex.ttfb = ex.ttfb or time.perf_counter()
-        await upstream.aclose()
+        await upstream.close()
         state.router.request_finished(attempt.replica_id, ok=ok)
-    if upstream.status_code >= 400:
-        ex.status = upstream.status_code
-        return error_passthrough(upstream.status_code, raw, ex)
-    ex.status = upstream.status_code
+    if upstream.status >= 400:
+        await send_error_passthrough(send, upstream.status, raw, ex)
+        return
     ex.cached_tokens = cached_tokens_in(raw)
-    response = Response(raw, upstream.status_code)
-    response.raw_headers = [*response_headers(upstream, ex), *response.raw_headers]
-    return response
+    await send_bytes(send, upstream.status, raw, passed_headers(upstream.raw_headers), ex)
 
 
-class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
-
-
-async def _unless_disconnected(work: Any, receive: Receive) -> bytes:
-    task: asyncio.Task[bytes] = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
+async def send_stream(state: GatewayState, attempt: Attempt, ex: Exchange, send: Send) -> None:
+    """Pump upstream bytes to the client as they come. Cancelling this (the client left)
+    closes the upstream connection mid-answer."""
+    upstream = attempt.response
+    rid = attempt.replica_id
+    scanner = SSEScanner() if upstream.content_type().startswith("text/event-stream") else None
+    ex.status = upstream.status
+    ex.responded = True
+    headers = passed_headers(upstream.raw_headers)
+    headers.extend(ex.raw_headers())
+    ok = True
     try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watch.cancel()
-        raise
-    if task.done():
-        watch.cancel()
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class StreamingProxy(Response):
-    """Pumps upstream bytes to the client as they come, watching for the client leaving."""
-
-    def __init__(self, state: GatewayState, attempt: Attempt, ex: Exchange) -> None:
-        self.state = state
-        self.attempt = attempt
-        self.ex = ex
-        self.status_code = attempt.response.status_code
-        self.raw_headers = response_headers(attempt.response, ex)
-        self.background = None
-        is_sse = attempt.response.headers.get("content-type", "").startswith("text/event-stream")
-        self.scanner = SSEScanner() if is_sse else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.ex.status = self.status_code
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-        if not pump.done():  # the client left: cancelling the pump closes the upstream
-            self.ex.status = 499
-            pump.cancel()
-        else:
-            watch.cancel()
-        await asyncio.gather(pump, watch, return_exceptions=True)
-        self.ex.finish(self.state)
-
-    async def _pump(self, send: Send) -> None:
-        upstream = self.attempt.response
-        ok = True
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        try:
-            async for chunk in upstream.aiter_raw():
-                if self.ex.ttfb is None:
-                    self.ex.ttfb = time.perf_counter()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if self.scanner is not None:
-                    self.scanner.feed(chunk)
-        except httpx.HTTPError as exc:
+        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+        async for chunk in upstream.chunks():
+            if ex.ttfb is None:
+                ex.ttfb = time.perf_counter()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if scanner is not None:
+                scanner.feed(chunk)
+        if scanner is not None and not scanner.done:
             ok = False
-            self.state.metrics.upstream_failures.labels(
-                self.attempt.replica_id, f"mid_stream_{type(exc).__name__}"
-            ).inc()
-            await send(
-                _error_event(
-                    f"replica {self.attempt.replica_id} failed mid-stream ({type(exc).__name__})"
-                )
-            )
-        else:
-            if self.scanner is not None and not self.scanner.done:
-                ok = False
-                await send(
-                    _error_event(f"replica {self.attempt.replica_id} ended the stream early")
-                )
-        finally:
-            await upstream.aclose()
-            self.state.router.request_finished(self.attempt.replica_id, ok=ok)
-        if not ok:
-            self.ex.status = 502
-        if self.scanner is not None:
-            self.ex.cached_tokens = self.scanner.cached_tokens
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send(_error_event(f"replica {rid} ended the stream early"))
+    except UpstreamError as exc:
+        ok = False
+        state.metrics.upstream_failure(rid, f"mid_stream_{exc.kind}")
+        await send(_error_event(f"replica {rid} failed mid-stream ({exc.kind})"))
+    finally:
+        await upstream.close()
+        state.router.request_finished(rid, ok=ok)
+    if not ok:
+        ex.status = 502
+    if scanner is not None:
+        ex.cached_tokens = scanner.cached_tokens
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _error_event(message: str) -> dict[str, Any]:
@@ -341,11 +293,11 @@ def cached_tokens_in(raw: bytes) -> int | None:
 
 
 def forward_headers(
-    items: Iterable[tuple[bytes, bytes]], request_id: str, keep_authorization: bool
-) -> list[tuple[bytes, bytes]]:
+    headers: dict[str, str], request_id: str, keep_authorization: bool
+) -> dict[str, str]:
     """Headers sent upstream: the content type, the request id, and (open mode) the
     client's Authorization, which a foreign backend may need."""
-    out = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
-    if keep_authorization:
-        out.extend((k, v) for k, v in items if k == b"authorization")
+    out = {"content-type": "application/json", "x-request-id": request_id}
+    if keep_authorization and (authorization := headers.get("authorization")):
+        out["authorization"] = authorization
     return out

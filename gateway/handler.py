@@ -1,0 +1,215 @@
+"""The hot path: ``POST /v1/chat/completions`` and ``/v1/completions`` as a raw ASGI
+handler.
+
+These two paths carry all the traffic, so they skip FastAPI's routing, dependency
+solving and middleware stack (which cost more than the proxying itself) and the
+Request/Response objects: the body is read from ``receive``, the answer written to
+``send``. Every other path stays on the FastAPI app (gateway/app.py).
+
+Client disconnects: one watcher task per request waits on ``receive`` for
+``http.disconnect`` and cancels the handler, which closes the upstream connection
+mid-answer, so the replica frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from gateway.exchange import Exchange
+from gateway.proxy import (
+    UpstreamFailure,
+    forward_headers,
+    open_upstream,
+    send_buffered,
+    send_failure,
+    send_json,
+    send_stream,
+)
+from prefixgate.wire import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_body,
+    parse_request,
+)
+from router.conversation import conversation_key
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+
+log = logging.getLogger("prefixgate.gateway")
+
+# path -> (endpoint label, request schema)
+HOT_PATHS: dict[str, tuple[str, type[BaseModel]]] = {
+    "/v1/chat/completions": ("chat", ChatCompletionRequest),
+    "/v1/completions": ("completions", CompletionRequest),
+}
+
+
+async def serve_completion(
+    state: GatewayState, scope: Scope, receive: Receive, send: Send, path: str
+) -> None:
+    endpoint, schema = HOT_PATHS[path]
+    # ASGI servers hand header names lowercased; latin-1 is HTTP's byte-for-byte decoding.
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    ex = Exchange(
+        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        endpoint=endpoint,
+        started=time.perf_counter(),
+    )
+    try:
+        if scope["method"] != "POST":
+            raise OpenAIError(
+                f"{scope['method']} {path}: Method Not Allowed",
+                status=405,
+                headers={"Allow": "POST"},
+            )
+        await _serve(state, headers, receive, send, ex, schema, path)
+    except OpenAIError as err:
+        await send_json(send, err.status, err.body(), ex, err.headers)
+    except ClientGone:
+        ex.status = 499
+    except Exception:
+        log.exception("request %s failed inside the gateway", ex.request_id)
+        if ex.responded:
+            raise  # mid-answer: nothing left to do but drop the connection
+        body = error_body("The gateway failed on this request.", type="server_error")
+        await send_json(send, 500, body, ex)
+    finally:
+        ex.finish(state)
+
+
+async def _serve(
+    state: GatewayState,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+    schema: type[BaseModel],
+    path: str,
+) -> None:
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise OpenAIError("The request body is not valid JSON.", code="invalid_json") from None
+    parsed = parse_request(schema, body)
+    assert isinstance(parsed, ChatCompletionRequest | CompletionRequest)
+    ex.model = parsed.model
+    ex.stream = parsed.stream
+    block_size = state.served_block_size(parsed.model)
+    route_model: str | None = parsed.model
+    if block_size is None:
+        if not state.has_unknown_model_replica():
+            raise unknown_model(parsed.model)
+        # Only replicas whose model is not known yet: let any of them try.
+        route_model, block_size = None, state.config.block_size
+    ex.block_size = block_size
+
+    salt = state.auth.forwarded_salt(tenant, parsed.cache_salt)
+    if salt != body.get("cache_salt"):
+        # The only case where the body is re-serialized; otherwise the bytes pass as sent.
+        if salt is None:
+            body.pop("cache_salt", None)
+        else:
+            body["cache_salt"] = salt
+        raw = json.dumps(body, separators=(",", ":")).encode()
+
+    prompt = await state.keys.keys(parsed, parsed.model, block_size, salt or "")
+    conversation = conversation_key(body, headers)
+    upstream_headers = forward_headers(headers, ex.request_id, state.auth.open)
+    watch = DisconnectWatch(receive)
+    try:
+        result = await open_upstream(
+            state, ex, prompt.keys, conversation, route_model, path, raw, upstream_headers
+        )
+        if isinstance(result, UpstreamFailure):
+            await send_failure(send, result, ex)
+        elif parsed.stream and result.response.status < 400:
+            await send_stream(state, result, ex, send)
+        else:
+            await send_buffered(state, result, ex, send)
+    except asyncio.CancelledError:
+        if not watch.gone:
+            raise  # not ours: the server is shutting down
+        task = asyncio.current_task()
+        assert task is not None
+        task.uncancel()
+        ex.status = 499
+    finally:
+        watch.stop()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+class DisconnectWatch:
+    """Cancels the current task when the client disconnects (one task per request,
+    started once the request body has been read)."""
+
+    __slots__ = ("_task", "active", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self.active = True
+        target = asyncio.current_task()
+        assert target is not None
+        self._task = asyncio.get_running_loop().create_task(self._watch(receive, target))
+
+    async def _watch(self, receive: Receive, target: asyncio.Task[object]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        # After the answer is sent the server reports a disconnect too: not a client leaving.
+        if self.active:
+            self.gone = True
+            target.cancel()
+
+    def stop(self) -> None:
+        self.active = False
+        self._task.cancel()
+
+
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        f"The request body is larger than the gateway's limit of {limit} bytes.",
+        status=413,
+        code="request_too_large",
+    )
+
+
+def unknown_model(model: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model `{model}` does not exist or no replica serves it.",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
