@@ -133,17 +133,24 @@ def ring_choice(policy: Policy, candidates: Sequence[Candidate], key: str) -> Ch
 
 
 class CacheAware(Policy):
-    """Longest cached prefix wins unless its replica is over the bounded-load share.
+    """Longest cached prefix wins unless its replica is over the bounded-load share, with
+    load priced in blocks.
 
     1. Replicas that could take one more request without exceeding the bound are
-       "open" (``load + 1 <= ceil((1+ε)·(total+1)/n) + abs_slack``).
-    2. Among open replicas the longest match wins if it is useful (≥ min_match_blocks).
-       If a longer match sat on an overloaded replica, the reason is
-       ``overload_fallback``: the chosen replica computes the prefix and then holds it
-       too, so a hot prefix spreads over replicas instead of piling onto one.
-    3. Ties: the conversation ring (affinity that every gateway agrees on), else the
+       "open" (``load + 1 <= ceil((1+ε)·(total+1)/n) + abs_slack``): a hard cap.
+    2. Among open replicas the highest score wins, score = useful matched blocks −
+       ``load_cost_blocks`` × (load − the least open load): a cost model in blocks
+       (blocks to recompute vs. requests to wait behind), so a long match is worth a
+       short queue but a one-block edge is not worth piling onto a busier replica.
+       ``load_cost_blocks = 0``: plain longest match among the open replicas.
+    3. A longer match only on overloaded replicas: reason ``overload_fallback``; the
+       chosen replica computes the prefix and then holds it too (the router's
+       optimistic insert makes it a match there at once), so a hot prefix spreads over
+       replicas instead of piling onto one. A longer match on an open replica given up
+       for load: ``load_tradeoff``.
+    4. Ties: the conversation ring (affinity that every gateway agrees on), else the
        least loaded, else the seeded random generator — never list order.
-    4. No useful match anywhere: the conversation ring with bounded load when there is
+    5. No useful match anywhere: the conversation ring with bounded load when there is
        a conversation key, else the least loaded of two random choices.
     """
 
@@ -151,8 +158,9 @@ class CacheAware(Policy):
 
     def choose(self, request: RouteInput) -> Choice:
         candidates = request.candidates
+        floor = self.config.min_match_blocks
         best = max(c.matched for c in candidates)
-        if best < self.config.min_match_blocks:
+        if best < floor:
             if request.conversation_key is not None:
                 return ring_choice(self, candidates, request.conversation_key)
             return Choice(self.two_choices(candidates).replica_id, "least_loaded")
@@ -160,14 +168,20 @@ class CacheAware(Policy):
         open_ = [c for c in candidates if c.load + 1 <= bound]
         if not open_:  # only when abs_slack is 0 and loads are equal: nobody is special
             open_ = list(candidates)
-        top = max(c.matched for c in open_)
-        if top < self.config.min_match_blocks:
-            return Choice(self.tie_break(open_, request).replica_id, "overload_fallback")
-        tied = [c for c in open_ if c.matched == top]
-        chosen = self.tie_break(tied, request)
-        if top < best:
+        w = self.config.load_cost_blocks
+        low = min(c.load for c in open_)
+        scores = [(c.matched if c.matched >= floor else 0) - w * (c.load - low) for c in open_]
+        top = max(scores)
+        chosen = self.tie_break(
+            [c for c, s in zip(open_, scores, strict=True) if s == top], request
+        )
+        if chosen.matched >= best:
+            return Choice(
+                chosen.replica_id, f"prefix_match {chosen.matched}/{request.total_blocks} blocks"
+            )
+        if max(c.matched for c in open_) < best:
             return Choice(chosen.replica_id, "overload_fallback")
-        return Choice(chosen.replica_id, f"prefix_match {top}/{request.total_blocks} blocks")
+        return Choice(chosen.replica_id, "load_tradeoff")
 
     def tie_break(self, tied: Sequence[Candidate], request: RouteInput) -> Candidate:
         if len(tied) == 1:

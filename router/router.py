@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 from router.config import RouterConfig
@@ -24,6 +25,7 @@ from router.protocol import SHORT_KEY_BYTES, BlockEvent, ReplicaLoad, RoutedHint
 from router.ring import Ring
 
 RoutedHook = Callable[[str, list[bytes]], None]
+_SHORT = itemgetter(slice(0, SHORT_KEY_BYTES))  # full block key -> short key
 
 
 class NoHealthyReplica(RuntimeError):
@@ -162,18 +164,25 @@ class Router:
         model: str | None = None,
         exclude: Collection[str] = (),
     ) -> Decision:
-        short = [k[:SHORT_KEY_BYTES] for k in keys]
+        short = list(map(_SHORT, keys))
+        now = self.clock()
         views = [
             v
             for v in self._replicas.values()
-            if v.replica_id not in exclude and v.serves(model) and v.healthy
+            if (v.static or now - v.last_seen <= v.ttl_s)  # not expired, inlined (hot path)
+            and v.breaker.allows()
+            and v.serves(model)
+            and v.replica_id not in exclude
         ]
         if not views:
             raise NoHealthyReplica(
                 f"no healthy replica for model {model!r}"
                 + (f" (excluded: {sorted(exclude)})" if exclude else "")
             )
-        matches = self.index.match(short)
+        index = self.index
+        if index.pending >= self.config.max_deferred_inserts:
+            index.fold()  # nobody folded lately (no request finished, no sweep): catch up
+        matches = index.depths(index.lookup(short))
         candidates = [
             Candidate(v.replica_id, v.load.load, matches.get(v.replica_id, 0)) for v in views
         ]
@@ -181,12 +190,8 @@ class Router:
         choice = self.policy.choose(request)
         chosen = self._replicas[choice.replica_id]
         chosen.breaker.on_dispatch()
-        if short:
-            self.index.insert(
-                chosen.replica_id,
-                short,
-                tentative_until=self.clock() + self.config.optimistic_ttl_s,
-            )
+        if short:  # optimistic insert, visible at once, bookkeeping deferred (index.fold)
+            index.insert_later(chosen.replica_id, short, now + self.config.optimistic_ttl_s)
         self._decisions[choice.reason.split(" ", 1)[0]] += 1
         for hook in self._hooks:
             hook(chosen.replica_id, short)
@@ -209,6 +214,9 @@ class Router:
         if view is not None:
             view.load.finished()
             view.breaker.record(ok)
+        # The deferred optimistic inserts are folded in here, after a response, rather
+        # than on some later request's routing decision.
+        self.index.fold()
 
     def report_probe(self, replica_id: str, ok: bool) -> None:
         view = self._replicas.get(replica_id)
@@ -272,6 +280,7 @@ class Router:
 
     def sweep(self) -> None:
         """Background maintenance: drop optimistic inserts no event confirmed in time."""
+        self.index.fold()
         now = self.clock()
         for view in self._replicas.values():
             if view.publishes_events:

@@ -31,6 +31,7 @@ chains = st.lists(st.integers(0, 1), min_size=1, max_size=6).map(chain)
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.sampled_from(REPLICAS), chains),
+        st.tuples(st.just("insert_later"), st.sampled_from(REPLICAS), chains),
         st.tuples(st.just("remove"), st.sampled_from(REPLICAS), st.lists(st.sampled_from(KEYS))),
         st.tuples(st.just("clear"), st.sampled_from(REPLICAS), st.just([])),
         st.tuples(st.just("drop"), st.sampled_from(REPLICAS), st.just([])),
@@ -50,6 +51,10 @@ def test_match_equals_brute_force(
         if op == "insert":
             index.insert(replica, keys)
             model.setdefault(replica, set()).update(keys)
+        elif op == "insert_later":  # deferred: matches must see it before any fold
+            index.insert_later(replica, keys, tentative_until=1e9)
+            model.setdefault(replica, set()).update(keys)
+            assert index.match(query) == brute_match(model, query)
         elif op == "remove":
             index.remove(replica, keys)
             model.get(replica, set()).difference_update(keys)
@@ -131,4 +136,35 @@ def test_slots_are_reused_after_a_replica_leaves() -> None:
     index.insert("r3", chain([1]))
     assert index.match(chain([1])) == {"r3": 1}
     assert index.match(chain([0])) == {"r0": 1, "r2": 1}
+    index.check_invariants()
+
+
+def test_deferred_inserts_fold_into_the_same_index_as_eager_ones() -> None:
+    eager, lazy = PrefixIndex(max_blocks_per_replica=5), PrefixIndex(max_blocks_per_replica=5)
+    for index in (eager, lazy):
+        index.insert("a", chain([0, 0]))  # confirmed head
+    eager.insert("a", chain([0, 0, 1, 1]), tentative_until=10.0)
+    eager.insert("b", chain([0, 1, 0]), tentative_until=12.0)
+    lazy.insert_later("a", chain([0, 0, 1, 1]), tentative_until=10.0)
+    lazy.insert_later("b", chain([0, 1, 0]), tentative_until=12.0)
+    assert lazy.pending == 2
+    assert lazy.match(chain([0, 0, 1, 1])) == eager.match(chain([0, 0, 1, 1])) == {"a": 4, "b": 1}
+    assert lazy.fold() == 2 and lazy.pending == 0
+    for index in (eager, lazy):
+        index.check_invariants()
+        assert (index.blocks("a"), index.tentative_blocks("a"), len(index)) == (4, 2, 6)
+        assert index.expire("a", now=11.0) == 2  # unconfirmed optimistic blocks leave
+        assert index.match(chain([0, 0, 1, 1])) == {"a": 2, "b": 1}
+
+
+def test_an_update_folds_deferred_inserts_first() -> None:
+    index = PrefixIndex()
+    index.insert_later("a", chain([0, 1, 1]), tentative_until=5.0)
+    index.insert("a", chain([0, 1]))  # an event confirms the head
+    assert index.pending == 0
+    assert index.tentative_blocks("a") == 1
+    index.drop_replica("a")
+    index.insert_later("b", chain([1]), tentative_until=5.0)
+    index.drop_replica("b")
+    assert index.match(chain([1])) == {} and len(index) == 0
     index.check_invariants()

@@ -50,9 +50,24 @@ def test_cache_aware_hot_prefix_spreads_to_an_open_replica() -> None:
 
 
 def test_cache_aware_small_imbalance_keeps_the_match() -> None:
-    # bound = ceil(1.1 * (15 + 1) / 4) = 5: r0 taking a 5th request is within its share.
-    choice = policy("cache_aware").choose(request([4, 4, 3, 4], [8, 0, 0, 0]))  # type: ignore[attr-defined]
-    assert choice.replica_id == "r0"
+    # bound = ceil(1.1 * (15 + 1) / 4) = 5: r0 taking a 5th request is within its share,
+    # and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
+    pol = policy("cache_aware", load_cost_blocks=4)
+    choice = pol.choose(request([4, 4, 3, 4], [8, 0, 0, 0]))  # type: ignore[attr-defined]
+    assert choice == ("r0", "prefix_match 8/8 blocks")
+
+
+def test_cache_aware_prices_load_in_blocks() -> None:
+    # Everyone is under the bound (ceil(1.1 * 8 / 4) = 3); r0's one-block match is not
+    # worth a request more in flight than r1 at the default 8 blocks a request ...
+    choice = policy("cache_aware").choose(request([2, 1, 2, 2], [1, 0, 0, 0]))  # type: ignore[attr-defined]
+    assert choice == ("r1", "load_tradeoff")
+    # ... but 8 blocks are at 4 blocks a request; and with load priced at 0 any longer
+    # match wins.
+    choice = policy("cache_aware", load_cost_blocks=4).choose(request([2, 1, 2, 2], [8, 0, 0, 0]))  # type: ignore[attr-defined]
+    assert choice == ("r0", "prefix_match 8/8 blocks")
+    choice = policy("cache_aware", load_cost_blocks=0).choose(request([2, 1, 2, 2], [1, 0, 0, 0]))  # type: ignore[attr-defined]
+    assert choice == ("r0", "prefix_match 1/8 blocks")
 
 
 def test_cache_aware_ties_go_to_the_conversation_ring() -> None:
