@@ -96,6 +96,9 @@ class Publisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        # Set by stop(): the loops end on it even if a Redis call swallowed the
+        # cancellation (redis-py can turn a cancelled connect into a ConnectionError).
+        self._closing = False
         self._redis: aioredis.Redis | None = None
         self._first_write = True  # the first snapshot also drops a previous life's stream
         self._in_outage = False
@@ -187,24 +190,29 @@ class Publisher:
 
     async def stop(self) -> None:
         """Stop the tasks and deregister (best effort: the expiry covers a failure)."""
+        self._closing = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5 * self.config.redis_timeout_s + 1)
         self._tasks = []
         if self._redis is not None:
             with contextlib.suppress(*_REDIS_ERRORS):
-                await self._redis.delete(replica_info_key(self.config.replica_id))
-            await self._redis.aclose()
+                await asyncio.wait_for(
+                    self._redis.delete(replica_info_key(self.config.replica_id)),
+                    self.config.redis_timeout_s,
+                )
+            with contextlib.suppress(*_REDIS_ERRORS):
+                await asyncio.wait_for(self._redis.aclose(), self.config.redis_timeout_s)
             self._redis = None
 
     async def _write_loop(self) -> None:
         backoff = self.config.min_backoff_s
-        while True:
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._has_work():
+            while self._has_work() and not self._closing:
                 try:
                     await self._write_once()
                     self._mark_up()
@@ -267,7 +275,7 @@ class Publisher:
 
     async def _heartbeat_loop(self) -> None:
         last_snapshot = time.monotonic()
-        while True:
+        while not self._closing:
             try:
                 await self._heartbeat()
                 self._mark_up()
