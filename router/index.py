@@ -118,18 +118,22 @@ class PrefixIndex:
         self.fold()
         self._insert_now(replica_id, keys, tentative_until)
 
-    def insert_later(self, replica_id: str, keys: Sequence[bytes], tentative_until: float) -> None:
+    def insert_later(
+        self, replica_id: str, keys: Sequence[bytes], tentative_until: float, *, held: int = 0
+    ) -> None:
         """An optimistic insert that ``lookup``/``match`` see at once but whose LRU and
         node bookkeeping waits for ``fold`` (the next update, or the router's call after
         the request): the routing decision then costs one small-dict update instead of
-        ~6 dict operations per block on million-entry tables."""
+        ~6 dict operations per block on million-entry tables. ``held``: the replica's
+        matched depth, whose blocks need no overlay entry."""
         bit = 1 << self._blocks_of(replica_id).slot
         recent = self._recent
+        new = keys[held:]
         if recent:
-            for key in keys:
+            for key in new:
                 recent[key] = recent.get(key, 0) | bit
         else:
-            recent.update(dict.fromkeys(keys, bit))
+            recent.update(dict.fromkeys(new, bit))
         self._pending.append(_Pending(replica_id, keys, tentative_until))
 
     def fold(self) -> int:

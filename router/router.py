@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import itemgetter
 from typing import Any, NamedTuple
 
@@ -170,8 +171,8 @@ class Router:
             v
             for v in self._replicas.values()
             if (v.static or now - v.last_seen <= v.ttl_s)  # not expired, inlined (hot path)
-            and v.breaker.allows()
-            and v.serves(model)
+            and (v.breaker.state == "closed" or v.breaker.allows())
+            and (model is None or v.serves(model))
             and v.replica_id not in exclude
         ]
         if not views:
@@ -183,15 +184,28 @@ class Router:
         if index.pending >= self.config.max_deferred_inserts:
             index.fold()  # nobody folded lately (no request finished, no sweep): catch up
         matches = index.depths(index.lookup(short))
-        candidates = [
-            Candidate(v.replica_id, v.load.load, matches.get(v.replica_id, 0)) for v in views
-        ]
+        # tuple.__new__ directly: Candidate(...) and Candidate._make run Python code.
+        ids = [v.replica_id for v in views]
+        candidates: list[Candidate] = list(
+            map(
+                tuple.__new__,
+                repeat(Candidate),
+                zip(
+                    ids, [v.load.load for v in views], map(matches.get, ids, repeat(0)), strict=True
+                ),
+            )
+        )
         request = RouteInput(candidates, len(short), conversation_key, short[0] if short else None)
         choice = self.policy.choose(request)
         chosen = self._replicas[choice.replica_id]
         chosen.breaker.on_dispatch()
         if short:  # optimistic insert, visible at once, bookkeeping deferred (index.fold)
-            index.insert_later(chosen.replica_id, short, now + self.config.optimistic_ttl_s)
+            index.insert_later(
+                chosen.replica_id,
+                short,
+                now + self.config.optimistic_ttl_s,
+                held=matches.get(chosen.replica_id, 0),
+            )
         self._decisions[choice.reason.split(" ", 1)[0]] += 1
         for hook in self._hooks:
             hook(chosen.replica_id, short)
