@@ -438,24 +438,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     import argparse
     import time
 
-    from loadtest.workloads import KINDS, generate
+    from loadtest.workloads import KINDS, default_rate, generate
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("kinds", nargs="*", default=["agents", "multi_turn_chat", "doc_qa"])
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--cache-fraction", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="multiply each kind's default arrival rate (e.g. 4: a cluster under load, "
+        "where total time is more than the arrival span)",
+    )
     args = parser.parse_args(argv)
     for kind in args.kinds:
         if kind not in KINDS:
             parser.error(f"unknown kind {kind!r}; choose from {list(KINDS)}")
-        sessions = generate(kind, seed=args.seed)
+        sessions = generate(kind, seed=args.seed, rate=default_rate(kind) * args.rate_scale)
         started = time.perf_counter()
         results = run_comparison(
             sessions, n_replicas=args.replicas, cache_fraction=args.cache_fraction, seed=args.seed
         )
         oracle = results[0]
-        print(f"{kind}: {oracle.requests} requests, {time.perf_counter() - started:.1f} s")
+        print(
+            f"{kind} (rate ×{args.rate_scale:g}): {oracle.requests} requests,"
+            f" {time.perf_counter() - started:.1f} s"
+        )
         for r in results:
             print(
                 f"  {r.policy:16} hit {r.hit_rate:.3f} ({r.hit_rate / oracle.hit_rate:.3f}× oracle)"

@@ -21,6 +21,7 @@ Arrivals are Poisson at ``rate`` sessions per second.
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from collections.abc import Callable, Iterable
@@ -216,6 +217,14 @@ _GENERATORS: dict[str, Callable[..., list[Session]]] = {
     "doc_qa": _doc_qa,
     "generated_shared_prefix": _generated_shared_prefix,
 }
+
+
+def default_rate(kind: str) -> float:
+    """The kind's default arrival rate (sessions per second)."""
+    if kind not in _GENERATORS:
+        raise ValueError(f"unknown workload kind {kind!r}; choose one of {list(KINDS)}")
+    rate = inspect.signature(_GENERATORS[kind]).parameters["rate"].default
+    return float(rate)
 
 
 def generate(kind: str, *, seed: int = 0, **params: Any) -> list[Session]:

@@ -5,7 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.workloads import KINDS, Session, Turn, generate, load_jsonl, save_jsonl
+from loadtest.workloads import (
+    KINDS,
+    Session,
+    Turn,
+    default_rate,
+    generate,
+    load_jsonl,
+    save_jsonl,
+)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -58,3 +66,12 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
 def test_unknown_kind() -> None:
     with pytest.raises(ValueError, match="doc_qa"):
         generate("nope")
+
+
+def test_default_rate_scales_arrivals() -> None:
+    assert default_rate("doc_qa") == 0.5
+    slow = generate("doc_qa", seed=1)
+    fast = generate("doc_qa", seed=1, rate=4 * default_rate("doc_qa"))
+    assert fast[-1].arrival_s == pytest.approx(slow[-1].arrival_s / 4)
+    with pytest.raises(ValueError, match="unknown workload kind"):
+        default_rate("nope")
