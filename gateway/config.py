@@ -39,7 +39,7 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 1.0
-    transport: Transport = "aiohttp"
+    transport: Transport = "http1"
     gateway_id: str | None = None
     # Prompts longer than this (characters) are tokenized in a worker thread.
     inline_tokenize_chars: int = 8192

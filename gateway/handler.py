@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
@@ -61,7 +61,7 @@ async def serve_completion(
     # ASGI servers hand header names lowercased; latin-1 is HTTP's byte-for-byte decoding.
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
     ex = Exchange(
-        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        request_id=headers.get("x-request-id") or os.urandom(16).hex(),  # uuid4: 4x the cost
         endpoint=endpoint,
         started=time.perf_counter(),
     )

@@ -5,10 +5,10 @@ status and raw headers, its body whole or chunk by chunk as it arrives, and a cl
 drops the connection when the body was not read to the end (so that the replica sees the
 client leave and frees the request's blocks). ``Upstream`` is that surface.
 
-``aiohttp`` (the default) calls aiohttp directly. ``httpx`` and ``httpx-aiohttp`` go
-through httpx's API, with its own transport or with aiohttp's under it; both cost more per
-request (URL and header models, cookie extraction, the transport adapter) and are kept for
-comparison (benchmarks/gateway_bench.py) and as a fallback.
+``http1`` (the default) is the gateway's own minimal HTTP/1.1 client (gateway/http1.py).
+``aiohttp`` calls aiohttp directly. ``httpx`` and ``httpx-aiohttp`` go through httpx's
+API, with its own transport or with aiohttp's under it. Per request they cost more CPU in
+that order (benchmarks/gateway_bench.py compares them); the others stay as fallbacks.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Literal, Protocol
 import aiohttp
 import httpx
 
-Transport = Literal["aiohttp", "httpx", "httpx-aiohttp"]
-TRANSPORTS: tuple[Transport, ...] = ("aiohttp", "httpx", "httpx-aiohttp")
+Transport = Literal["http1", "aiohttp", "httpx", "httpx-aiohttp"]
+TRANSPORTS: tuple[Transport, ...] = ("http1", "aiohttp", "httpx", "httpx-aiohttp")
 
 
 class UpstreamError(Exception):
@@ -79,6 +79,10 @@ class Upstream(Protocol):
 def make_upstream(
     transport: Transport, max_connections: int, connect_timeout_s: float, read_timeout_s: float
 ) -> Upstream:
+    if transport == "http1":
+        from gateway.http1 import Http1Upstream
+
+        return Http1Upstream(max_connections, connect_timeout_s, read_timeout_s)
     if transport == "aiohttp":
         return AiohttpUpstream(max_connections, connect_timeout_s, read_timeout_s)
     return HttpxUpstream(
