@@ -41,10 +41,15 @@ class PromptKeys(NamedTuple):
 
 
 def default_loader(name_or_path: str) -> Tokenizer:
+    """The model's chat tokenizer, with chats encoded from cached pieces where that is
+    provably the same (gateway/segments.py)."""
+    from gateway.segments import SegmentCache
     from prefixgate.tokenizer import ChatTokenizer
 
-    tokenizer: Tokenizer = ChatTokenizer.for_model(name_or_path)
-    return tokenizer
+    cached = SegmentCache(ChatTokenizer.for_model(name_or_path))
+    if not cached.enabled:
+        log.info("tokenizer %r: chats are tokenized whole (no piece cache)", name_or_path)
+    return cached
 
 
 class KeyBuilder:
