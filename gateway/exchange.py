@@ -70,7 +70,13 @@ class Exchange:
             self.cached_tokens,
         )
         if access_log.isEnabledFor(logging.INFO):
-            access_log.info(json.dumps(self._record(end), separators=(",", ":")))
+            line = json.dumps(self._record(end), separators=(",", ":"))
+            # Straight to handle(): Logger.info would also walk the stack for a caller
+            # file and line that an access line never shows (a fifth of its cost).
+            record = access_log.makeRecord(
+                access_log.name, logging.INFO, __file__, 0, line, (), None
+            )
+            access_log.handle(record)
 
     def _record(self, end: float) -> dict[str, Any]:
         return {

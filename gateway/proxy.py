@@ -281,9 +281,26 @@ class SSEScanner:
 
 
 def cached_tokens_in(raw: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a JSON body, when it has one."""
+    """``usage.prompt_tokens_details.cached_tokens`` of a JSON body, when it has one.
+
+    Parses only the flat ``prompt_tokens_details`` object, not the whole answer: the key
+    with its quotes cannot occur inside a JSON string (quotes there are escaped), and
+    only ``usage`` has it. Anything unexpected falls back to parsing the whole body.
+    """
     if b'"cached_tokens"' not in raw:
         return None
+    key = b'"prompt_tokens_details"'
+    at = raw.rfind(key)
+    start = raw.find(b"{", at) if at >= 0 else -1
+    end = raw.find(b"}", start) if start >= 0 else -1
+    if end > start >= 0 and raw[at + len(key) : start].strip() == b":":
+        try:
+            details = json.loads(raw[start : end + 1])
+        except ValueError:
+            details = None
+        if isinstance(details, dict):
+            value = details.get("cached_tokens")
+            return value if isinstance(value, int) else None
     try:
         usage = json.loads(raw).get("usage") or {}
         value = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")

@@ -84,3 +84,16 @@ def test_sse_scanner_across_chunk_boundaries() -> None:
         scanner.feed(stream[i : i + 7])
     assert scanner.done and scanner.cached_tokens == 32
     assert cached_tokens_in(b'{"usage":null}') is None
+
+
+def test_cached_tokens_in_answers_whatever_their_shape() -> None:
+    def body(usage: object, content: str = "hi") -> bytes:
+        return json.dumps({"choices": [{"text": content}], "usage": usage}).encode()
+
+    details = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}
+    assert cached_tokens_in(body(details)) == 7
+    assert cached_tokens_in(json.dumps({"usage": details}, indent=2).encode()) == 7
+    quoted = '"prompt_tokens_details": {"cached_tokens": 99}'  # text, not the usage
+    assert cached_tokens_in(body(details, content=quoted)) == 7
+    assert cached_tokens_in(body({"prompt_tokens_details": None}, content=quoted)) is None
+    assert cached_tokens_in(body({"prompt_tokens_details": {"cached_tokens": None}})) is None
