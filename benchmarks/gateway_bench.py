@@ -1,7 +1,8 @@
 """Gateway overhead: the gateway in front of a stub backend vs calling the stub directly.
 
-    .venv/bin/python benchmarks/gateway_bench.py [--requests 2000] [--transports aiohttp,httpx]
-        [--tokenizer smollm2-135m] [--log-level info]
+    .venv/bin/python benchmarks/gateway_bench.py [--requests 2000]
+        [--transports http1,aiohttp,httpx,httpx-aiohttp] [--tokenizer smollm2-135m]
+        [--log-level info]
 
 Stub, gateway and load generator each run in their own process (uvicorn with uvloop and
 httptools where installed; the load generator is aiohttp). For each target it reports p50/p99
@@ -143,7 +144,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--serial-requests", type=int, default=500)
-    parser.add_argument("--transports", default="aiohttp,httpx")
+    parser.add_argument("--transports", default="http1,aiohttp,httpx")
     parser.add_argument("--tokenizer", help="the gateway tokenizes with this (e.g. smollm2-135m)")
     parser.add_argument("--log-level", default="info", help="the gateway's (info: access log)")
     parser.add_argument("--loadgen")
