@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,8 +40,11 @@ class Stack:
             "upstream exploded",
         )
         self.broken = start_stub(root, "broken", "--model", "broken-llm", "--break-after", "2")
+        self.slow = start_stub(root, "slow", "--model", "slow-llm", "--delay-ms", "20000")
         self.dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
-        self.stubs = [self.a, self.b, self.flaky_bad, self.flaky_ok, self.text_fail, self.broken]
+        self.stubs = [
+            self.a, self.b, self.flaky_bad, self.flaky_ok, self.text_fail, self.broken, self.slow
+        ]  # fmt: skip
         urls = [s.url for s in self.stubs] + [self.dead]
         keys = write_api_keys(root / "keys.json")
         self.gw = start_gateway(
@@ -249,6 +253,23 @@ def test_body_over_the_limit_is_413(stack: Stack) -> None:
     )
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_client_leaving_a_plain_request_cancels_it_upstream(stack: Stack) -> None:
+    body = {"model": "slow-llm", "messages": CHAT}
+    headers = {"Authorization": "Bearer sk-alpha"}
+    with pytest.raises(httpx.ReadTimeout):  # the stub answers after 20 s
+        httpx.post(stack.gw.url + "/v1/chat/completions", json=body, headers=headers, timeout=1)
+    replica = stack.slow.url.removeprefix("http://")
+    gone = f'endpoint="chat",replica="{replica}",status="499"'
+    idle = f'prefixgate_gateway_replica_in_flight{{replica="{replica}"}} 0.0'
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = httpx.get(stack.gw.url + "/metrics").text
+        if gone in metrics and idle in metrics:
+            break
+        time.sleep(0.05)  # polling the gateway's metrics
+    assert gone in metrics and idle in metrics
 
 
 def test_health_ready_metrics(stack: Stack) -> None:
