@@ -40,23 +40,24 @@ DEFAULT_WORKLOADS = "agents,multi_turn_chat"
 
 # Sized so that 4 clusters (one per policy, both workloads each) of 4 tiny-random replicas
 # finish well under 15 minutes on 2 shared CPU cores. Passed to workloads.generate().
+# Long prompts and short answers (about 2.5 SmolLM2 tokens per generated word): what a
+# cache saves is prefill, so the workloads are prefill-bound, as agents and chat are on
+# real models; with tiny prompts TTFT is set by HTTP and decode and no router shows.
 LIVE_PARAMS: dict[str, dict[str, Any]] = {
-    # Both about 780 distinct 16-token blocks (SmolLM2 tokenizer), so that one cache size
-    # is about a third of either.
     "agents": {
         "agents": 4,
         "sessions_per_agent": 8,
         "steps": 4,
-        "tool_prompt_len": 200,
-        "tool_output_len": 20,
-        "max_tokens": 12,
+        "tool_prompt_len": 800,
+        "tool_output_len": 30,
+        "max_tokens": 8,
     },
     "multi_turn_chat": {
-        "sessions": 36,
+        "sessions": 32,
         "turns": 4,
-        "system_len": 100,
-        "user_len": 25,
-        "max_tokens": 12,
+        "system_len": 400,
+        "user_len": 60,
+        "max_tokens": 8,
     },
 }
 
@@ -157,6 +158,7 @@ def start_cluster(
 ) -> Cluster:
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "ready").unlink(missing_ok=True)  # a previous run's, not this cluster's
     cmd = [sys.executable, "-m", "prefixgate", "up", "--replicas", str(n_replicas)]
     cmd += ["--model", model, "--port", str(port), "--policy", policy]
     cmd += ["--num-blocks", str(num_blocks), "--run-dir", str(run_dir)]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prefixgate.models import DEFAULT_MODEL, model_dir
 from prefixgate.procs import ChildDied, start_redis
-from prefixgate.stack import Child, Stack, pick_ports, report_death
+from prefixgate.stack import PIDS_FILE, Child, Stack, pick_ports, report_death
 
 
 def connect_host(host: str) -> str:
@@ -246,6 +246,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    # A reused run directory must not announce the previous run's cluster.
+    for stale in ("ready", PIDS_FILE):
+        (args.run_dir / stale).unlink(missing_ok=True)
     stack = Stack(run_dir=args.run_dir, env=child_env(args))
     previous = {s: signal.signal(s, stack.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     print(f"prefixgate up: logs in {args.run_dir}/", flush=True)
