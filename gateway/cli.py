@@ -84,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gateway-id", default=_env("gateway-id"))
     p.add_argument("--log-level", default=_env("log-level") or "info")
-    p.add_argument("--workers", type=int, default=int(_env("workers") or 1))
     return p
 
 
