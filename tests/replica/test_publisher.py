@@ -160,8 +160,13 @@ def test_record_expires_when_heartbeats_stop(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         await pub.start(ReplicaLoad)
         await _until(lambda: client.exists(replica_info_key(RID)) == 1)
-        for task in pub._tasks:  # a crash: no deregistration, only the expiry
+        # A crash: the loops end without deregistering, only the expiry removes the
+        # record. (_closing as well as cancel(): redis-py can swallow a cancellation.)
+        pub._closing = True
+        for task in pub._tasks:
             task.cancel()
+        await asyncio.wait(pub._tasks, timeout=5)
+        assert all(task.done() for task in pub._tasks)
         await _until(lambda: client.exists(replica_info_key(RID)) == 0, timeout=5)
         await pub.stop()
 
