@@ -2,7 +2,7 @@
 concurrency 1/4/8, peak RSS with a 1 GiB pool.
 
     .venv/bin/python benchmarks/engine_bench.py            # everything
-    .venv/bin/python benchmarks/engine_bench.py --only ttft|decode|rss
+    .venv/bin/python benchmarks/engine_bench.py --only ttft|decode|per-token|rss
 
 Uses torch's default thread count. Numbers on a shared CPU machine are noisy: each figure
 is the median of ``--repeats`` runs.
@@ -15,6 +15,7 @@ import random
 import resource
 import statistics
 import time
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -94,6 +95,42 @@ def bench_decode(model_name: str, max_tokens: int, repeats: int) -> None:
     engine.stop()
 
 
+def bench_per_token(model_name: str, max_tokens: int, repeats: int) -> None:
+    """Decode ms/token at concurrency 1: the engine vs plain transformers (sdpa +
+    DynamicCache) on the same prompt, alternating in one process so both see the same load."""
+    model = load_model(model_name, dtype="float32")
+    ref = load_model(model_name, dtype="float32", attn_implementation="sdpa").model
+    engine = Engine(model, EngineConfig(kv_cache_mb=256))
+    engine.start()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rng = random.Random(3)
+    ours, plain = [], []
+    for i in range(repeats + 1):  # the first round warms both up
+        prompt = _tokens(rng, 32)
+        out = engine.generate(prompt, params)
+        per_token = _plain_decode_s(ref, prompt, max_tokens)
+        if i:
+            ours.append(out.timings.decode_s / (max_tokens - 1))
+            plain.append(per_token)
+    engine.stop()
+    e, p = statistics.median(ours) * 1000, statistics.median(plain) * 1000
+    print(f"decode per token {model_name}, concurrency 1 ({max_tokens} tokens, 32-token prompt)")
+    print(f"  engine {e:7.1f} ms   plain transformers {p:7.1f} ms   engine/plain = {e / p:.2f}")
+
+
+def _plain_decode_s(model: Any, prompt: list[int], max_tokens: int) -> float:
+    """Seconds per token after the first, greedy, with a DynamicCache."""
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        start = time.perf_counter()
+        for _ in range(max_tokens - 1):
+            out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+            token = int(out.logits[0, -1].argmax())
+        return (time.perf_counter() - start) / (max_tokens - 1)
+
+
 def bench_rss(model_name: str) -> None:
     model = load_model(model_name, dtype="float32")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -108,7 +145,7 @@ def bench_rss(model_name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=["ttft", "decode", "rss"])
+    parser.add_argument("--only", choices=["ttft", "decode", "per-token", "rss"])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -119,6 +156,8 @@ def main() -> None:
     if args.only in (None, "decode"):
         for name in ("tiny-random", args.model):
             bench_decode(name, args.decode_tokens, args.repeats)
+    if args.only in (None, "per-token"):
+        bench_per_token(args.model, 24, args.repeats)
     if args.only in (None, "rss"):
         bench_rss(args.model)
 

@@ -48,7 +48,11 @@ class AttentionGroup:
 
     rows: torch.Tensor  # [S, Q] long: indices into the packed T axis
     block_tables: torch.Tensor  # [S, NB] long: padded with block 0 (masked out)
-    mask: torch.Tensor  # [S, 1, Q, NB * block_size] bool: True = may attend
+    num_keys: int  # L <= NB * block_size: the gathered keys are cut to the longest context
+    # [S, 1, Q, L] bool, True = may attend; None when every query sees all L keys (decode
+    # rows of equal length), which spares SDPA the mask.
+    mask: torch.Tensor | None
+    whole_step: bool  # rows is arange(T) reshaped: q and the output are views, no copies
 
 
 @dataclass(slots=True)
@@ -70,7 +74,6 @@ def build_paged_batch(pool: BlockPool, seqs: Sequence[SeqSlice]) -> PagedBatch:
     """Pack ``seqs`` (in order) into one step. Every block a slice writes or reads must
     already be in its block table."""
     bs = pool.block_size
-    device = pool.device
     positions: list[int] = []
     slot_blocks: list[int] = []
     decode_ids: list[int] = []
@@ -88,39 +91,56 @@ def build_paged_batch(pool: BlockPool, seqs: Sequence[SeqSlice]) -> PagedBatch:
         (decode_ids if s.num_new == 1 else prefill_ids).append(i)
 
     pos = torch.tensor(positions, dtype=torch.long)
+    t = len(positions)
     groups: list[AttentionGroup] = []
     if decode_ids:
         groups.append(
-            _group([seqs[i] for i in decode_ids], [row_starts[i] for i in decode_ids], bs)
+            _group([seqs[i] for i in decode_ids], [row_starts[i] for i in decode_ids], bs, t)
         )
     for i in prefill_ids:
-        groups.append(_group([seqs[i]], [row_starts[i]], bs))
+        groups.append(_group([seqs[i]], [row_starts[i]], bs, t))
+    device = pool.device
+    on_device = [_to_device(g, device) for g in groups] if device.type != "cpu" else groups
     return PagedBatch(
         pool=pool,
         positions=pos.to(device),
         slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
         slot_offsets=(pos % bs).to(device),
-        groups=[
-            AttentionGroup(g.rows.to(device), g.block_tables.to(device), g.mask.to(device))
-            for g in groups
-        ],
+        groups=on_device,
     )
 
 
-def _group(seqs: Sequence[SeqSlice], row_starts: Sequence[int], bs: int) -> AttentionGroup:
+def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
+    mask = g.mask.to(device) if g.mask is not None else None
+    return AttentionGroup(
+        g.rows.to(device), g.block_tables.to(device), g.num_keys, mask, g.whole_step
+    )
+
+
+def _group(
+    seqs: Sequence[SeqSlice], row_starts: Sequence[int], bs: int, num_tokens: int
+) -> AttentionGroup:
     q = seqs[0].num_new
     assert all(s.num_new == q for s in seqs)
-    num_blocks = max(math.ceil((s.start + q) / bs) for s in seqs)
+    lengths = [s.start + q for s in seqs]  # keys each sequence's last query sees
+    num_keys = max(lengths)
+    num_blocks = math.ceil(num_keys / bs)
     tables = torch.zeros((len(seqs), num_blocks), dtype=torch.long)
     for j, s in enumerate(seqs):
-        n = math.ceil((s.start + q) / bs)
+        n = math.ceil(lengths[j] / bs)
         tables[j, :n] = torch.tensor(list(s.block_table[:n]), dtype=torch.long)
     rows = torch.tensor(row_starts, dtype=torch.long)[:, None] + torch.arange(q)[None, :]
-    # query position of row (s, i): start_s + i; a key at position j is visible iff j <= it
-    q_pos = torch.tensor([s.start for s in seqs], dtype=torch.long)[:, None] + torch.arange(q)
-    k_pos = torch.arange(num_blocks * bs)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [S, 1, Q, L]
-    return AttentionGroup(rows=rows, block_tables=tables, mask=mask)
+    whole_step = len(seqs) * q == num_tokens and list(row_starts) == [
+        j * q for j in range(len(seqs))
+    ]
+    mask: torch.Tensor | None = None
+    if q > 1 or min(lengths) != num_keys:
+        # query position of row (s, i): start_s + i; key position j is visible iff j <= it
+        starts = torch.tensor([s.start for s in seqs], dtype=torch.long)
+        q_pos = starts[:, None] + torch.arange(q)  # [S, Q]
+        k_pos = torch.arange(num_keys)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [S, 1, Q, L]
+    return AttentionGroup(rows, tables, num_keys, mask, whole_step)
 
 
 def paged_attention_forward(
@@ -142,32 +162,50 @@ def paged_attention_forward(
             "run this model through replica.engine.Engine"
         )
     layer: int = module.layer_idx  # type: ignore[assignment]
-    k_pool, v_pool = batch.pool.k[layer], batch.pool.v[layer]
-    # k_pool[b, :, o] indexed by [T] block/offset tensors selects [T, KVH, D]
-    k_pool[batch.slot_blocks, :, batch.slot_offsets] = key[0].transpose(0, 1).to(k_pool.dtype)
-    v_pool[batch.slot_blocks, :, batch.slot_offsets] = value[0].transpose(0, 1).to(v_pool.dtype)
-
+    kv_pool = batch.pool.kv[layer]  # [N, 2, KVH, B, D]
+    new_kv = torch.stack((key[0], value[0])).to(kv_pool.dtype)  # [2, KVH, T, D]
+    # The [N, B, 2, KVH, D] view indexed by the [T] block/offset tensors is [T, 2, KVH, D]
+    kv_pool.permute(0, 3, 1, 2, 4).index_put_(
+        (batch.slot_blocks, batch.slot_offsets), new_kv.permute(2, 0, 1, 3)
+    )
+    if len(batch.groups) == 1 and batch.groups[0].whole_step:
+        # The common case (only decoders, or one prefill chunk): no row shuffling at all.
+        g = batch.groups[0]
+        s, q_len = g.rows.shape
+        q = query[0].unflatten(1, (s, q_len)).transpose(0, 1)  # [S, H, Q, D] view
+        o = _attend(q, kv_pool, g, scaling)  # [S, H, Q, D]
+        return o.transpose(1, 2).reshape(1, s * q_len, o.shape[1], o.shape[3]), None
     q_all = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q_all)  # [T, H, D]
     for g in batch.groups:
         s, q_len = g.rows.shape
-        # The gather is a per-step temporary for this computation; the cached prefix
-        # itself stays in its (possibly shared) blocks and is never copied per request.
-        k = _gather(k_pool, g.block_tables)  # [S, KVH, L, D]
-        v = _gather(v_pool, g.block_tables)  # [S, KVH, L, D]
         q = q_all[g.rows].transpose(1, 2)  # [S, H, Q, D]
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scaling, enable_gqa=True
-        )  # [S, H, Q, D]
+        o = _attend(q, kv_pool, g, scaling)  # [S, H, Q, D]
         out[g.rows.reshape(-1)] = o.transpose(1, 2).reshape(s * q_len, o.shape[1], o.shape[3])
     return out.unsqueeze(0), None
 
 
-def _gather(pool_layer: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """pool_layer: [N, KVH, B, D]; block_tables: [S, NB] -> [S, KVH, NB * B, D]."""
-    g = pool_layer[block_tables]  # [S, NB, KVH, B, D]
-    s, nb, kvh, b, d = g.shape
-    return g.permute(0, 2, 1, 3, 4).reshape(s, kvh, nb * b, d)
+def _attend(
+    q: torch.Tensor, kv_pool: torch.Tensor, g: AttentionGroup, scaling: float | None
+) -> torch.Tensor:
+    """q: [S, H, Q, D] -> [S, H, Q, D] over each sequence's context in the pool."""
+    # The gather is a per-step temporary for this computation; the cached prefix
+    # itself stays in its (possibly shared) blocks and is never copied per request.
+    kv = _gather(kv_pool, g.block_tables, g.num_keys).to(q.dtype)  # [2, S, KVH, L, D]
+    return F.scaled_dot_product_attention(
+        q, kv[0], kv[1], attn_mask=g.mask, scale=scaling, enable_gqa=True
+    )
+
+
+def _gather(pool_layer: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """pool_layer: [N, 2, KVH, B, D]; block_tables: [S, NB] -> [2, S, KVH, num_keys, D].
+
+    One copy: indexing the [2, KVH, N, B, D] view gives a contiguous [2, KVH, S*NB, B, D],
+    in which each sequence's blocks already run as one key axis; the rest are views."""
+    s, nb = block_tables.shape
+    g = pool_layer.permute(1, 2, 0, 3, 4)[:, :, block_tables.reshape(-1)]  # [2, KVH, S*NB, B, D]
+    two, kvh, _, b, d = g.shape
+    return g.reshape(two, kvh, s, nb * b, d).transpose(1, 2)[:, :, :, :num_keys]
 
 
 def register_paged_attention() -> str:

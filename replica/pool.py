@@ -2,7 +2,8 @@
 
 Layout per layer (K and V alike)::
 
-    k[layer]: [num_blocks, n_kv_heads, block_size, head_dim]
+    kv[layer]: [num_blocks, 2, n_kv_heads, block_size, head_dim]   (K at 0, V at 1)
+    k[layer], v[layer]: [num_blocks, n_kv_heads, block_size, head_dim] views of it
 
 Token position ``p`` of a request lives in block ``block_table[p // block_size]`` at
 offset ``p % block_size``. Which block belongs to whom is the prefix cache's business;
@@ -55,15 +56,15 @@ class BlockPool:
         dims = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim)
         # Zeroed, not empty: a padded gather may read blocks nobody wrote (masked out, but
         # uninitialised memory can hold NaN, and NaN * 0 poisons the softmax output).
+        # K and V of a block sit side by side (kv[layer][b] is [2, KVH, B, D]), so one
+        # indexing op writes or gathers both; k/v are views into it.
         with torch.inference_mode():
-            self.k = [
-                torch.zeros(dims, dtype=shape.dtype, device=self.device)
+            self.kv = [
+                torch.zeros((num_blocks, 2, *dims[1:]), dtype=shape.dtype, device=self.device)
                 for _ in range(shape.num_layers)
-            ]
-            self.v = [
-                torch.zeros(dims, dtype=shape.dtype, device=self.device)
-                for _ in range(shape.num_layers)
-            ]
+            ]  # [N, 2, KVH, B, D] each
+            self.k = [kv[:, 0] for kv in self.kv]  # [N, KVH, B, D] views
+            self.v = [kv[:, 1] for kv in self.kv]  # [N, KVH, B, D] views
 
     @classmethod
     def from_budget(
@@ -86,6 +87,5 @@ class BlockPool:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: give ``dst`` the contents of the shared block ``src``."""
         with torch.inference_mode():
-            for k, v in zip(self.k, self.v, strict=True):
-                k[dst].copy_(k[src])
-                v[dst].copy_(v[src])
+            for kv in self.kv:
+                kv[dst].copy_(kv[src])
