@@ -42,8 +42,8 @@ class PromptKeys(NamedTuple):
 
 def default_loader(name_or_path: str) -> Tokenizer:
     """The model's chat tokenizer, with chats encoded from cached pieces where that is
-    provably the same (gateway/segments.py)."""
-    from gateway.segments import SegmentCache
+    provably the same (prefixgate/segments.py)."""
+    from prefixgate.segments import SegmentCache
     from prefixgate.tokenizer import ChatTokenizer
 
     cached = SegmentCache(ChatTokenizer.for_model(name_or_path))

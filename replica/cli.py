@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: they pull in torch, which `prefixgate --help` should not pay for.
     import uvicorn
 
+    from prefixgate.segments import SegmentCache
     from replica.engine import Engine, EngineConfig
     from replica.metrics import ReplicaMetrics
     from replica.models import load_model
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         args.redis_url or "off",
     )
     metrics = ReplicaMetrics(load=engine.load)
-    replica = Replica(loaded, engine, served_name, metrics, publisher)
+    replica = Replica(
+        loaded, engine, served_name, metrics, publisher, chats=SegmentCache(loaded.tokenizer)
+    )
     app = create_app(replica)
     config = uvicorn.Config(
         app,

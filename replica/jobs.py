@@ -71,7 +71,8 @@ def job_from_chat(body: object, replica: Replica) -> Job:
     req = parse_request(ChatCompletionRequest, body)
     model = _check_model(req.model, replica)
     messages = req.template_messages()
-    prompt_ids = list(replica.loaded.tokenizer.encode_chat(messages, add_generation_prompt=True))
+    encoder = replica.chats or replica.loaded.tokenizer
+    prompt_ids = list(encoder.encode_chat(messages, add_generation_prompt=True))
     params = _sampling(req, req.max_new_tokens, len(prompt_ids), replica, "messages")
     return Job(
         chat=True,

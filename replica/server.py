@@ -25,6 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prefixgate.segments import SegmentCache
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
 from replica.jobs import Job, JobClock, job_from_chat, job_from_completion
@@ -47,6 +48,9 @@ class Replica:
     metrics: ReplicaMetrics
     publisher: Publisher | None = None
     engine_stop_timeout_s: float = 5.0
+    # Chats encoded from cached pieces (same ids as the tokenizer's encode_chat, see
+    # prefixgate/segments.py); None: the model's tokenizer encodes each chat whole.
+    chats: SegmentCache | None = None
 
     @property
     def model_ids(self) -> list[str]:

@@ -3,11 +3,13 @@ smollm2-135m: ChatML, byte-level BPE, added special tokens)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.segments import PieceSplitter, SegmentCache
+from prefixgate.segments import PieceSplitter, SegmentCache
 from prefixgate.tokenizer import ChatTokenizer
 
 
@@ -80,6 +82,18 @@ def test_the_cache_stays_bounded(tokenizer: ChatTokenizer) -> None:
         chat = [{"role": "user", "content": f"message number {i} " * 20}]
         assert cache.encode_chat(chat) == tokenizer.encode_chat(chat)
     assert len(cache._cache) <= 8 and cache._chars <= 10_000
+
+
+def test_threads_sharing_a_small_cache_get_exact_ids(tokenizer: ChatTokenizer) -> None:
+    # The gateway encodes long prompts in worker threads; the LRU must hold up when they
+    # evict and refresh the same pieces at once.
+    cache = SegmentCache(tokenizer, max_pieces=4, max_chars=2_000)
+    chats = [[{"role": "user", "content": f"topic {i % 7} " * 30}] for i in range(64)]
+    expected = [tokenizer.encode_chat(chat) for chat in chats]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(cache.encode_chat, chats * 4))
+    assert got == expected * 4
+    assert len(cache._cache) <= 4 and cache._chars == sum(map(len, cache._cache))
 
 
 def test_position_dependent_tokenizers_are_not_split() -> None:

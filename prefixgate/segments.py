@@ -1,8 +1,8 @@
 """Chat tokenization with a cache of the pieces between special tokens.
 
-The gateway tokenizes every chat to route it, and chats repeat: the same system prompt,
-the same earlier turns, request after request. BPE over a long system prompt costs
-milliseconds; a dictionary lookup does not.
+The gateway tokenizes every chat to route it and the replica to serve it, and chats
+repeat: the same system prompt, the same earlier turns, request after request. BPE over
+a long system prompt costs milliseconds; a dictionary lookup does not.
 
 Why pieces are safe to cache: the ``tokenizers`` library first cuts the text at its added
 tokens (``<|im_start|>``, ``<|im_end|>``, ...), then normalizes, pre-tokenizes and
@@ -13,13 +13,14 @@ on where a piece sits in the text. ``PieceSplitter.for_tokenizer`` only accepts
 tokenizers where both hold (no stripping or normalized added tokens, no
 position-dependent prefixing, no truncation or padding) and then checks sample chats id
 for id against the whole-text encode; otherwise chats are encoded whole, as before.
-tests/gateway/test_segments.py checks equality on many chats.
+tests/test_segments.py checks equality on many chats.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -101,7 +102,16 @@ class SegmentCache:
     """``encode_chat`` from cached piece ids (an LRU bounded by pieces and characters);
     plain ``encode`` passes through. Same ids as ``ChatTokenizer.encode_chat``."""
 
-    __slots__ = ("_cache", "_chars", "_max_chars", "_max_pieces", "_splitter", "hits", "inner")
+    __slots__ = (
+        "_cache",
+        "_chars",
+        "_lock",
+        "_max_chars",
+        "_max_pieces",
+        "_splitter",
+        "hits",
+        "inner",
+    )
 
     def __init__(
         self, inner: ChatSource, *, max_pieces: int = 4096, max_chars: int = 8_000_000
@@ -111,6 +121,9 @@ class SegmentCache:
         self._max_chars = max_chars
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._chars = 0
+        # The gateway encodes long prompts in worker threads: the LRU's check-then-move
+        # and its size accounting must not interleave (encoding itself runs unlocked).
+        self._lock = threading.Lock()
         self.hits = 0
         splitter = PieceSplitter.for_tokenizer(inner.tokenizer)
         if splitter is not None and not self._agrees(splitter):
@@ -148,17 +161,20 @@ class SegmentCache:
         return ids
 
     def _piece(self, text: str) -> list[int]:
-        cached = self._cache.get(text)
-        if cached is not None:
-            self._cache.move_to_end(text)
-            self.hits += 1
-            return cached
+        with self._lock:
+            cached = self._cache.get(text)
+            if cached is not None:
+                self._cache.move_to_end(text)
+                self.hits += 1
+                return cached
         ids = self._whole(text)
-        self._cache[text] = ids
-        self._chars += len(text)
-        while len(self._cache) > self._max_pieces or self._chars > self._max_chars:
-            old, _ = self._cache.popitem(last=False)
-            self._chars -= len(old)
+        with self._lock:
+            if text not in self._cache:  # another thread may have encoded it meanwhile
+                self._cache[text] = ids
+                self._chars += len(text)
+            while len(self._cache) > self._max_pieces or self._chars > self._max_chars:
+                old, _ = self._cache.popitem(last=False)
+                self._chars -= len(old)
         return ids
 
     def _agrees(self, splitter: PieceSplitter) -> bool:
