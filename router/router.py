@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -95,6 +95,11 @@ class Router:
         self._replicas: dict[str, ReplicaView] = {}
         self._hooks: list[RoutedHook] = []
         self._decisions: Counter[str] = Counter()
+        # The last decisions (``recent_decisions_per_replica`` × replicas) and how many
+        # went to each: the share of the traffic each replica has been taking lately
+        # (cache_aware's long-run balance; conversations stay where they land).
+        self._recent: deque[str] = deque()
+        self._recent_counts: Counter[str] = Counter()
         self._expired_optimistic = 0
         self._resyncs = 0
 
@@ -129,7 +134,14 @@ class Router:
                 self.config.breaker_failures, self.config.breaker_cooldown_s, self.clock
             )
             view = ReplicaView(
-                replica_id, url, model, block_size, static, breaker, ttl_s=self.config.replica_ttl_s
+                replica_id,
+                url,
+                model,
+                block_size,
+                static,
+                breaker,
+                LoadTracker(self.config.report_ttl_s),
+                ttl_s=self.config.replica_ttl_s,
             )
             self._replicas[replica_id] = view
             self.ring.add(replica_id)
@@ -186,12 +198,17 @@ class Router:
         matches = index.depths(index.lookup(short))
         # tuple.__new__ directly: Candidate(...) and Candidate._make run Python code.
         ids = [v.replica_id for v in views]
+        recent = self._recent_counts
         candidates: list[Candidate] = list(
             map(
                 tuple.__new__,
                 repeat(Candidate),
                 zip(
-                    ids, [v.load.load for v in views], map(matches.get, ids, repeat(0)), strict=True
+                    ids,
+                    [v.load.load for v in views],
+                    map(matches.get, ids, repeat(0)),
+                    map(recent.__getitem__, ids),
+                    strict=True,
                 ),
             )
         )
@@ -207,6 +224,10 @@ class Router:
                 held=matches.get(chosen.replica_id, 0),
             )
         self._decisions[choice.reason.split(" ", 1)[0]] += 1
+        self._recent.append(chosen.replica_id)
+        recent[chosen.replica_id] += 1
+        if len(self._recent) > self.config.recent_decisions_per_replica * len(self._replicas):
+            recent[self._recent.popleft()] -= 1
         for hook in self._hooks:
             hook(chosen.replica_id, short)
         return Decision(
@@ -237,11 +258,12 @@ class Router:
         if view is not None:
             view.breaker.record(ok)
 
-    def update_load(self, replica_id: str, load: ReplicaLoad) -> None:
-        """A heartbeat: the replica's reported load; also refreshes its registry age."""
+    def update_load(self, replica_id: str, load: ReplicaLoad, at: float | None = None) -> None:
+        """A heartbeat: the replica's reported load, stamped ``at`` by its wall clock
+        (None: as of now; router/load.py); also refreshes its registry age."""
         view = self._replicas.get(replica_id)
         if view is not None:
-            view.load.report(load, self.clock())
+            view.load.report(load, at)
             view.last_seen = self.clock()
 
     # ----------------------------------------------------------------------- index feed

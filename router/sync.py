@@ -151,7 +151,7 @@ class RedisSync:
             info = ReplicaInfo.decode(raw)
             alive.add(replica_id)
             self.router.add_replica(replica_id, info.url, info.model, info.block_size)
-            self.router.update_load(replica_id, info.load)
+            self.router.update_load(replica_id, info.load, info.timestamp or None)
             if replica_id not in self._stream_ids:
                 self._stream_ids[replica_id] = "0-0"
                 self._need_resync.add(replica_id)

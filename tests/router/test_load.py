@@ -1,0 +1,81 @@
+"""Load = this gateway's exact in-flight count + what other gateways had at the report."""
+
+from __future__ import annotations
+
+from router.load import LoadTracker
+from router.protocol import ReplicaLoad
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stale_report_of_our_own_requests_adds_nothing() -> None:
+    # The live failure: a heartbeat says 3 running, read again and again after they
+    # finished; the replica must not look busy for it.
+    clock = Clock()
+    load = LoadTracker(report_ttl_s=3.0, clock=clock)
+    for _ in range(3):
+        load.started()
+    clock.now += 0.1
+    stamp = clock.now
+    clock.now += 0.4
+    for _ in range(3):
+        load.finished()
+    clock.now += 0.5
+    load.report(ReplicaLoad(running=3), at=stamp)
+    assert load.load == 0
+    load.started()
+    load.report(ReplicaLoad(running=3), at=stamp)  # the same record, read again
+    assert load.load == 1
+
+
+def test_other_gateways_requests_count_until_the_report_goes_stale() -> None:
+    clock = Clock()
+    load = LoadTracker(report_ttl_s=3.0, clock=clock)
+    load.started()
+    load.started()
+    clock.now += 1.0
+    load.report(ReplicaLoad(running=4, waiting=1), at=clock.now - 0.2)
+    assert load.others == 3 and load.load == 5
+    load.finished()
+    assert load.load == 4
+    clock.now += 2.9
+    assert load.load == 1  # 3 s after the report's stamp: only our own count is sure
+    load.report(ReplicaLoad(running=1), at=clock.now)
+    assert load.others == 0 and load.load == 1
+
+
+def test_report_without_stamp_or_from_a_clock_ahead_counts_as_now() -> None:
+    clock = Clock()
+    load = LoadTracker(clock=clock)
+    load.started()
+    load.report(ReplicaLoad(running=2, waiting=3))
+    assert load.load == 5
+    load.report(ReplicaLoad(running=1), at=clock.now + 60.0)  # skewed replica clock
+    assert load.load == 1
+
+
+def test_in_flight_log_answers_for_past_times_and_stays_short() -> None:
+    clock = Clock()
+    load = LoadTracker(clock=clock)
+    history = []
+    for i in range(2000):
+        clock.now += 0.01
+        if i % 3 == 2:
+            load.finished()
+        else:
+            load.started()
+        history.append((clock.now, load.in_flight))
+    for t, count in history[-500:]:
+        assert load.in_flight_at(t) == count
+        assert load.in_flight_at(t + 0.005) == count
+    assert len(load._log) <= 1002  # ~10 s of changes at 100 per second
+    # Before the oldest change kept: the count the last dropped change left.
+    oldest = load._log[0][0]
+    dropped = [count for t, count in history if t < oldest]
+    assert load.in_flight_at(oldest - 0.001) == dropped[-1]
