@@ -3,7 +3,8 @@
 A block key is a chained hash (router/protocol.py): it names its block *and* the whole
 path of blocks before it. So the radix tree needs no explicit edges: the map
 ``key -> holders`` is the tree flattened, and walking a request's keys in order walks
-the tree from the root. ``match`` stops at the first key no candidate holds.
+the tree from the root. ``match`` stops at the first key no candidate holds, and
+``lookup`` at the first key nobody holds.
 
 Memory is the design constraint (target ≤ 200 bytes per indexed block at 10⁶ blocks):
 
@@ -29,12 +30,11 @@ operations per block of an eager insert is a cache miss; the overlay is small an
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, compress, repeat
-from operator import and_, neg, not_, or_
+from itertools import compress, groupby, repeat, takewhile
+from operator import and_, not_, or_, truth
 from typing import NamedTuple
 
 
@@ -262,35 +262,45 @@ class PrefixIndex:
     # ----------------------------------------------------------------------- queries
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """Each key's holder mask (0: nobody), deferred inserts included, for ``depths``."""
-        masks = list(map(self._nodes.get, keys, repeat(0)))
-        if self._recent:
-            masks = list(map(or_, masks, map(self._recent.get, keys, repeat(0))))
-        return masks
+        """The holder masks of the leading keys somebody holds (deferred inserts
+        included), for ``depths``: it stops at the first key nobody holds, whose mask
+        (0) it leaves out, as it does every later key's.
+
+        No match can reach past that key, and each key looked up in the million-entry
+        node map is a few cache misses: a new prompt's tail costs nothing. ``takewhile``
+        keeps the stop at C speed (chunks cost more per chunk than they save).
+        """
+        found = map(self._nodes.get, keys, repeat(0))
+        if self._recent:  # a key the overlay holds is no stop, wherever it comes
+            found = map(or_, found, map(self._recent.get, keys, repeat(0)))
+        return list(takewhile(truth, found))
 
     def match(self, keys: Sequence[bytes]) -> dict[str, int]:
         """Matched depth (leading blocks held) per replica; replicas with 0 are left out."""
         return self.depths(self.lookup(keys))
 
     def depths(self, masks: Sequence[int]) -> dict[str, int]:
-        """``match`` from the masks ``lookup`` returned."""
+        """``match`` from the masks ``lookup`` returned (or any key's masks: it reads
+        up to the first 0)."""
         if not masks or not masks[0]:
             return {}
-        # Everything at C speed: cut at the first unknown key, AND the holder masks
-        # cumulatively. ``acc[i]`` = replicas holding keys[0..i]; a subset's mask is
-        # never larger, so ``acc`` is non-increasing and each drop is found by
-        # bisection (at most one per replica).
-        if 0 in masks:
-            masks = masks[: masks.index(0)]
-        acc = list(accumulate(masks, and_))
+        # A chain's masks come in runs of one interned int (the same holders block after
+        # block), so walk the runs, not the blocks: ``groupby`` finds and ``list`` counts
+        # them at C speed. ``held`` = replicas holding every key so far; a run that lacks
+        # some of them ends their match at its start.
         depth_by_slot: dict[int, int] = {}
-        start = 0
-        while start < len(acc) and acc[start]:
-            active = acc[start]
-            end = bisect_right(acc, -active, lo=start, key=neg)  # first index with a smaller mask
-            nxt = acc[end] if end < len(acc) else 0
-            _record(depth_by_slot, active & ~nxt, end)
-            start = end
+        held = masks[0]
+        depth = 0
+        for mask, run in groupby(masks):
+            dropped = held & ~mask
+            if dropped:
+                _record(depth_by_slot, dropped, depth)
+                held &= mask
+                if not held:
+                    break
+            depth += len(list(run))
+        else:  # the replicas still holding hold every key
+            _record(depth_by_slot, held, depth)
         owner = self._slot_owner
         return {owner[slot]: d for slot, d in depth_by_slot.items()}  # type: ignore[misc]
 

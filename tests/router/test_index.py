@@ -168,3 +168,65 @@ def test_an_update_folds_deferred_inserts_first() -> None:
     index.drop_replica("b")
     assert index.match(chain([1])) == {} and len(index) == 0
     index.check_invariants()
+
+
+def brute_depths(owners: list[str], masks: list[int]) -> dict[str, int]:
+    out = {}
+    for slot, owner in enumerate(owners):
+        depth = 0
+        while depth < len(masks) and masks[depth] >> slot & 1:
+            depth += 1
+        if depth:
+            out[owner] = depth
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(masks=st.lists(st.integers(0, 7), max_size=12), interned=st.booleans())
+def test_depths_of_any_masks_equal_brute_force(masks: list[int], interned: bool) -> None:
+    # Any masks, not only ``lookup``'s: runs, holders that leave and come back, zeros
+    # anywhere. Slots 9-11 make the masks ints CPython does not cache, so equal masks
+    # come both as one object (interned, as the index keeps them) and as distinct ones.
+    owners = [f"r{slot}" for slot in range(12)]
+    index = PrefixIndex()
+    for replica in owners:
+        index.insert(replica, chain([0]))
+    shifted = [int(str(m << 9)) for m in masks]
+    if interned:
+        pool: dict[int, int] = {}
+        shifted = [pool.setdefault(m, m) for m in shifted]
+    assert index.depths(shifted) == brute_depths(owners, shifted)
+
+
+def test_lookup_stops_at_the_first_key_nobody_holds() -> None:
+    index = PrefixIndex()
+    keys = [bytes([i]) * 16 for i in range(40)]
+    index.insert("a", keys)
+    index.insert("b", keys[:20])
+    index.remove("a", keys[17:18])
+    a, b = 1 << 0, 1 << 1
+    # Key 17: b holds it, a does not, so no stop there.
+    assert index.lookup(keys) == [a | b] * 17 + [b] + [a | b] * 2 + [a] * 20
+    assert index.match(keys) == {"a": 17, "b": 20}
+    index.remove("b", keys[17:18])
+    assert index.lookup(keys) == [a | b] * 17
+    assert index.match(keys) == {"a": 17, "b": 17}
+    assert index.lookup(keys[17:]) == [] and index.match(keys[17:]) == {}
+    assert index.lookup([]) == [] and index.match([]) == {}
+
+
+def test_a_deferred_insert_bridges_a_gap_in_the_confirmed_blocks() -> None:
+    index = PrefixIndex()
+    keys = [bytes([i]) * 16 for i in range(40)]
+    index.insert("a", keys)
+    index.remove("a", keys[16:17])
+    index.insert("b", keys[:3])
+    assert index.match(keys) == {"a": 16, "b": 3}
+    # Only the overlay knows key 16 now (and the keys after it, for b): no stop there.
+    index.insert_later("a", keys[:17], tentative_until=1e9, held=16)
+    index.insert_later("b", keys, tentative_until=1e9, held=3)
+    assert len(index.lookup(keys)) == 40
+    assert index.match(keys) == {"a": 40, "b": 40}
+    index.remove("a", keys[30:31])  # folds the overlay first, then a loses key 30
+    assert index.match(keys) == {"a": 30, "b": 40}
+    index.check_invariants()
