@@ -21,8 +21,16 @@ def policy(name: str, seed: int = 0, **config: float) -> object:
     return make_policy(name, RouterConfig(**config), ring, random.Random(seed))  # type: ignore[arg-type]
 
 
-def request(loads: list[int], matched: list[int], conversation: str | None = None) -> RouteInput:
-    cands = [Candidate(rid, load, m) for rid, load, m in zip(IDS, loads, matched, strict=True)]
+def request(
+    loads: list[int],
+    matched: list[int],
+    conversation: str | None = None,
+    recent: list[int] | None = None,
+) -> RouteInput:
+    cands = [
+        Candidate(rid, load, m, r)
+        for rid, load, m, r in zip(IDS, loads, matched, recent or [0] * 4, strict=True)
+    ]
     return RouteInput(cands, 8, conversation, b"k" * 16)
 
 
@@ -38,7 +46,7 @@ def test_cache_aware_longest_prefix_wins() -> None:
 
 
 def test_cache_aware_overloaded_best_match_falls_back_to_next_best() -> None:
-    # bound = ceil(1.1 * (12 + 1) / 4) = 4; r0 would hold 10 > 4.
+    # queue bound = ceil(1.5 * (12 + 1) / 4) + 1 = 6; r0 would hold 10 > 6.
     choice = policy("cache_aware").choose(request([9, 1, 1, 1], [8, 4, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r1", "overload_fallback")
 
@@ -49,9 +57,30 @@ def test_cache_aware_hot_prefix_spreads_to_an_open_replica() -> None:
     assert choice == ("r2", "overload_fallback")  # the least loaded open replica
 
 
+def test_cache_aware_share_bound_spreads_what_sticks() -> None:
+    # r0 holds the prefix and is not queued, but took 30 of the last 64 decisions:
+    # share bound = ceil(1.15 * (64 + 1) / 4) + 1 = 20 < 31.
+    recent = [30, 10, 12, 12]
+    choice = policy("cache_aware").choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))  # type: ignore[attr-defined]
+    assert choice == ("r2", "overload_fallback")
+    # Within its share (19 + 1 <= 20) it keeps the match.
+    recent = [19, 15, 15, 15]
+    choice = policy("cache_aware").choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))  # type: ignore[attr-defined]
+    assert choice == ("r0", "prefix_match 8/8 blocks")
+
+
+def test_cache_aware_queue_bound_wins_when_no_replica_passes_both() -> None:
+    # r3 has the fewest recent decisions but a queue (bound ceil(1.5*9/4)+1 = 5 < 9);
+    # r0-r2 are over their share (bound ceil(1.15*41/4)+1 = 13): the queue bound alone.
+    recent = [13, 13, 14, 0]
+    loads = [0, 0, 0, 8]
+    choice = policy("cache_aware").choose(request(loads, [0, 3, 0, 8], None, recent))  # type: ignore[attr-defined]
+    assert choice == ("r1", "overload_fallback")
+
+
 def test_cache_aware_small_imbalance_keeps_the_match() -> None:
-    # bound = ceil(1.1 * (15 + 1) / 4) = 5: r0 taking a 5th request is within its share,
-    # and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
+    # queue bound = ceil(1.5 * (15 + 1) / 4) + 1 = 7: r0 taking a 5th request is within
+    # it, and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
     pol = policy("cache_aware", load_cost_blocks=4)
     choice = pol.choose(request([4, 4, 3, 4], [8, 0, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r0", "prefix_match 8/8 blocks")
