@@ -98,7 +98,7 @@ def create_app(
     router: Router | None = None,
     keys: KeyBuilder | None = None,
 ) -> GatewayApp:
-    router = router or Router(policy=config.policy)
+    router = router or Router(config.router, policy=config.policy)
     auth = Authenticator(load_api_keys(config.api_keys_path) if config.api_keys_path else None)
     state = GatewayState(
         config=config,

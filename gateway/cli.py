@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
 from gateway.upstream import TRANSPORTS
+from router.config import RouterConfig, with_options
 
 
 def fast_server_options() -> dict[str, Any]:
@@ -53,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--redis-url", default=_env("redis-url"), help="discovery and block events")
     p.add_argument("--policy", choices=POLICIES, default=_env("policy") or "cache_aware")
+    p.add_argument(
+        "--router-option",
+        action="append",
+        default=None,
+        metavar="NAME=VALUE",
+        help="a router threshold, e.g. load_slack=0.5 (repeatable; names and defaults: "
+        "router/config.py)",
+    )
     p.add_argument(
         "--api-keys",
         type=Path,
@@ -94,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         replicas=args.replica or _env_list("replica"),
         redis_url=args.redis_url,
         policy=args.policy,
+        router=with_options(RouterConfig(), args.router_option or _env_list("router-option")),
         api_keys_path=Path(args.api_keys) if args.api_keys else None,
         models=args.model or _env_list("model"),
         tokenizer=args.tokenizer,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.upstream import Transport
+from router.config import RouterConfig
 from router.protocol import DEFAULT_BLOCK_SIZE
 
 POLICIES = (
@@ -26,6 +27,8 @@ class GatewayConfig:
     replicas: list[str] = field(default_factory=list)
     redis_url: str | None = None
     policy: str = "cache_aware"
+    # The router's thresholds (router/config.py), each with its documented default.
+    router: RouterConfig = field(default_factory=RouterConfig)
     api_keys_path: Path | None = None
     # Model names assumed for static replicas that have not (yet) said what they serve.
     models: list[str] = field(default_factory=list)

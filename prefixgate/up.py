@@ -82,6 +82,8 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--replica", url]
     if args.policy is not None:
         cmd += ["--policy", args.policy]
+    for option in args.router_option or ():
+        cmd += ["--router-option", option]
     if args.api_keys is not None:
         cmd += ["--api-keys", str(args.api_keys)]
     return cmd
@@ -207,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--redis-url", metavar="URL", default=None, help="use this Redis; no embedded one")
     add("--policy", metavar="NAME", default=None, help="gateway routing policy (its default)")
+    add(
+        "--router-option",
+        metavar="NAME=VALUE",
+        action="append",
+        help="a router threshold for the gateway, e.g. load_slack=0.5 (repeatable)",
+    )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--kv-cache-mb", metavar="MB", type=int, help="KV pool per replica")
     budget.add_argument("--num-blocks", metavar="N", type=int, help="KV blocks per replica")

@@ -11,6 +11,7 @@ from gateway.auth import Authenticator, derived_salt, load_api_keys, parse_api_k
 from gateway.proxy import SSEScanner, cached_tokens_in
 from gateway.routing import KeyBuilder, bytes_as_tokens, prompt_keys
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest, OpenAIError
+from router.config import RouterConfig
 from router.protocol import KeySpace
 
 
@@ -97,3 +98,22 @@ def test_cached_tokens_in_answers_whatever_their_shape() -> None:
     assert cached_tokens_in(body(details, content=quoted)) == 7
     assert cached_tokens_in(body({"prompt_tokens_details": None}, content=quoted)) is None
     assert cached_tokens_in(body({"prompt_tokens_details": {"cached_tokens": None}})) is None
+
+
+def test_router_options_reach_the_router_config_with_clear_errors() -> None:
+    from gateway.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(
+        ["--router-option", "load_slack=0.25", "--router-option", "load-abs-slack=2"]
+    )
+    config = config_from_args(args).router
+    assert (config.load_slack, config.load_abs_slack) == (0.25, 2)
+    assert config.share_slack == RouterConfig().share_slack  # the rest keep their defaults
+    for bad, says in (
+        ("no_such=1", "NAME one of"),
+        ("load_slack", "NAME=VALUE"),
+        ("load_abs_slack=1.5", "is not a valid int"),
+        ("load_slack=-1", "non-negative"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            config_from_args(build_parser().parse_args(["--router-option", bad]))
