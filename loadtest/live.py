@@ -1,11 +1,11 @@
-"""The headline live experiment: a real local cluster per policy, every workload on it.
+"""The headline live experiment: a real local cluster per policy and workload.
 
 For each workload the KV cache of every replica is sized to hold about a third of the
 workload's distinct prefix blocks (counted with the real tokenizer and chat template, the
 assistant turns filled with text of the requested length), so that where a request lands
-decides whether its prefix is cached. Then, for each policy, a fresh ``prefixgate up``
-cluster replays each workload; its per-replica ``/cache/stats`` are read around each
-replay; the cluster is stopped. The hit rate is compared with the simulated oracle's
+decides whether its prefix is cached. Then, for each policy and workload, a fresh
+``prefixgate up`` cluster replays the workload; its per-replica ``/cache/stats`` are read
+around the replay; the cluster is stopped. The hit rate is compared with the simulated oracle's
 (one replica with N× capacity) at the same fraction of the working set.
 
     prefixgate bench live --replicas 4 --model tiny-random \\
@@ -94,23 +94,28 @@ def prompts_of(session: Session, tokenizer: Any, rng: random.Random) -> list[lis
     return out
 
 
-def size_cache(
-    sessions: Sequence[Session],
-    model: str,
-    fraction: float,
-    concurrency: int,
-    n_replicas: int,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Sizing:
+def live_prompts(sessions: Sequence[Session], model: str) -> list[list[list[int]]]:
+    """Every session's prompts as the live replay sends them: the model's chat template
+    over the history, replies filled with text (seeded, so the same every call)."""
     from prefixgate.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer.for_model(model)
-    space = KeySpace(model, block_size)
     rng = random.Random(0)
+    return [prompts_of(session, tokenizer, rng) for session in sessions]
+
+
+def size_cache(
+    sessions: Sequence[Session],
+    prompts: Sequence[Sequence[list[int]]],
+    model: str,
+    fraction: float,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Sizing:
+    space = KeySpace(model, block_size)
     distinct: set[bytes] = set()
     longest = 0
-    for session in sessions:
-        for ids in prompts_of(session, tokenizer, rng):
+    for session, session_prompts in zip(sessions, prompts, strict=True):
+        for ids in session_prompts:
             distinct.update(space.keys(ids))
             longest = max(longest, len(ids) + max(t.max_tokens for t in session.turns))
     # A request pins all its blocks while it runs; two of the longest must fit at once
@@ -154,7 +159,13 @@ class Cluster:
 
 
 def start_cluster(
-    n_replicas: int, model: str, policy: str, num_blocks: int, run_dir: Path, timeout_s: float
+    n_replicas: int,
+    model: str,
+    policy: str,
+    num_blocks: int,
+    run_dir: Path,
+    timeout_s: float,
+    router_options: Sequence[str] = (),
 ) -> Cluster:
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -162,6 +173,8 @@ def start_cluster(
     cmd = [sys.executable, "-m", "prefixgate", "up", "--replicas", str(n_replicas)]
     cmd += ["--model", model, "--port", str(port), "--policy", policy]
     cmd += ["--num-blocks", str(num_blocks), "--run-dir", str(run_dir)]
+    for option in router_options:
+        cmd += ["--router-option", option]
     with open(run_dir / "up.log", "ab") as log:
         proc = subprocess.Popen(
             cmd,
@@ -202,16 +215,26 @@ def cluster_hit_rate(stats: dict[str, dict[str, Any]]) -> float | None:
 
 
 def simulated_oracle(
-    sessions: Sequence[Session], n_replicas: int, fraction: float
+    sessions: Sequence[Session],
+    prompts: Sequence[Sequence[list[int]]],
+    n_replicas: int,
+    num_blocks: int,
+    concurrency: int,
 ) -> dict[str, Any]:
-    """The simulated oracle (one replica with N× blocks and compute) at the same cache
-    fraction of the working set as the live replicas. Only its hit rate is comparable:
-    its times come from the simulator's cost model, not from this machine."""
-    from loadtest.simulate import run_comparison, working_set_blocks
+    """The simulated oracle — one replica with N× the blocks (and compute) — replaying
+    the very prompts the live run sends (the real tokenizer and chat template) in the
+    same closed loop. Only its hit rate is comparable: its times come from the
+    simulator's cost model, not from this machine."""
+    from loadtest.simulate import run_comparison
 
-    blocks = max(1, round(fraction * working_set_blocks(sessions)))
     (oracle,) = run_comparison(
-        sessions, policies=(), n_replicas=n_replicas, blocks_per_replica=blocks, think_s=0.0
+        sessions,
+        policies=(),
+        n_replicas=n_replicas,
+        blocks_per_replica=num_blocks,
+        think_s=0.0,
+        concurrency=concurrency,
+        prompts=prompts,
     )
     return {"hit_rate": oracle.hit_rate, "requests": oracle.requests}
 
@@ -228,11 +251,13 @@ class LiveConfig:
     seed: int
     ready_timeout_s: float
     run_root: Path  # the clusters' logs; not results
+    router_options: list[str]  # NAME=VALUE router thresholds for the gateways
 
 
 class Workload(NamedTuple):
     name: str
     sessions: list[Session]
+    prompts: list[list[list[int]]]
     sizing: Sizing
 
 
@@ -251,54 +276,63 @@ COUNTERS = ("queries", "hits", "misses", "hit_tokens", "query_tokens", "eviction
 
 
 def run_policy(cfg: LiveConfig, policy: str, workloads: Sequence[Workload]) -> list[dict[str, Any]]:
-    """One fresh cluster for ``policy``; every workload replayed on it in turn.
-
-    Starting 4 replicas costs about a minute on 2 shared cores, so workloads share a
-    cluster; they share no prefixes, and the cache counters are read before and after
-    each replay so every workload's numbers are its own.
-    """
+    """``policy`` on each workload, each on a fresh cluster: nothing a workload left in
+    the caches or in the router's state (its index, its recent decisions) colours the
+    next one's numbers."""
     num_blocks = max(w.sizing.num_blocks for w in workloads)
-    run_dir = cfg.run_root / policy
-    print(
-        f"[live] {policy}: starting {cfg.replicas} replicas, {num_blocks} blocks each…", flush=True
-    )
-    cluster = start_cluster(
-        cfg.replicas, cfg.model, policy, num_blocks, run_dir, cfg.ready_timeout_s
-    )
     results = []
-    try:
-        for w in workloads:
-            before = cluster.cache_stats()
-            replay_config = ReplayConfig(
-                base_url=cluster.base_url,
-                model=cfg.model,
-                concurrency=cfg.concurrency,
-                ignore_eos=True,  # every policy generates the same number of tokens
-                seed=cfg.seed,
-            )
-            result = run_replay(w.sessions, replay_config)
-            names = cluster.names_by_address()
-            for record in result.requests:
-                if record.replica is not None:
-                    record.replica = names.get(record.replica, record.replica)
-            stats = stats_delta(cluster.cache_stats(), before)
-            data = result.to_json(
-                {"experiment": experiment_name(w.name, cfg), "policy": policy, "workload": w.name}
-            )
-            data["cache_stats"] = stats
-            data["cluster_hit_rate"] = cluster_hit_rate(stats)
-            results.append(data)
-            s = data["summary"]
-            print(
-                f"[live] {w.name} × {policy}: hit {s['hit_rate']}, cluster hit "
-                f"{data['cluster_hit_rate']}, TTFT p50 {s['ttft_p50_s']}, "
-                f"total {s['total_time_s']:.1f} s, per replica {s['requests_per_replica']}, "
-                f"errors {s['errors']}",
-                flush=True,
-            )
-    finally:
-        cluster.stop()
+    for w in workloads:
+        run_dir = cfg.run_root / policy / w.name
+        print(
+            f"[live] {policy} × {w.name}: starting {cfg.replicas} replicas, "
+            f"{num_blocks} blocks each…",
+            flush=True,
+        )
+        cluster = start_cluster(
+            cfg.replicas,
+            cfg.model,
+            policy,
+            num_blocks,
+            run_dir,
+            cfg.ready_timeout_s,
+            cfg.router_options,
+        )
+        try:
+            results.append(replay_on(cluster, cfg, policy, w))
+        finally:
+            cluster.stop()
     return results
+
+
+def replay_on(cluster: Cluster, cfg: LiveConfig, policy: str, w: Workload) -> dict[str, Any]:
+    before = cluster.cache_stats()
+    replay_config = ReplayConfig(
+        base_url=cluster.base_url,
+        model=cfg.model,
+        concurrency=cfg.concurrency,
+        ignore_eos=True,  # every policy generates the same number of tokens
+        seed=cfg.seed,
+    )
+    result = run_replay(w.sessions, replay_config)
+    names = cluster.names_by_address()
+    for record in result.requests:
+        if record.replica is not None:
+            record.replica = names.get(record.replica, record.replica)
+    stats = stats_delta(cluster.cache_stats(), before)
+    data = result.to_json(
+        {"experiment": experiment_name(w.name, cfg), "policy": policy, "workload": w.name}
+    )
+    data["cache_stats"] = stats
+    data["cluster_hit_rate"] = cluster_hit_rate(stats)
+    s = data["summary"]
+    print(
+        f"[live] {w.name} × {policy}: hit {s['hit_rate']}, cluster hit "
+        f"{data['cluster_hit_rate']}, TTFT p50 {s['ttft_p50_s']}, "
+        f"total {s['total_time_s']:.1f} s, per replica {s['requests_per_replica']}, "
+        f"errors {s['errors']}",
+        flush=True,
+    )
+    return data
 
 
 def experiment_name(workload: str, cfg: LiveConfig) -> str:
@@ -340,8 +374,9 @@ def prepare(cfg: LiveConfig) -> list[Workload]:
     for name in cfg.workloads:
         sessions = generate(name, seed=cfg.seed, **LIVE_PARAMS.get(name, {}))
         save_jsonl(sessions, cfg.out_dir / f"workload-{name}.jsonl")
-        sizing = size_cache(sessions, cfg.model, cfg.fraction, cfg.concurrency, cfg.replicas)
-        out.append(Workload(name, sessions, sizing))
+        prompts = live_prompts(sessions, cfg.model)
+        sizing = size_cache(sessions, prompts, cfg.model, cfg.fraction)
+        out.append(Workload(name, sessions, prompts, sizing))
     return out
 
 
@@ -363,7 +398,7 @@ def run_live(cfg: LiveConfig) -> Path:
         )
         print(f"[live] {exp}: {notes[exp]}", flush=True)
         oracle[exp] = simulated_oracle(
-            w.sessions, cfg.replicas, num_blocks / w.sizing.distinct_blocks
+            w.sessions, w.prompts, cfg.replicas, num_blocks, cfg.concurrency
         )
     runs: list[dict[str, Any]] = []
     for policy in cfg.policies:
@@ -401,6 +436,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-root", type=Path, default=Path("runs/live"), help="cluster logs")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--router-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a router threshold for the clusters' gateways (repeatable)",
+    )
     p.add_argument("--no-report", action="store_true", help="skip tables and plots")
 
 
@@ -416,6 +458,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         ready_timeout_s=args.ready_timeout_s,
         run_root=args.run_root,
+        router_options=args.router_option,
     )
     path = run_live(cfg)
     if not args.no_report:

@@ -91,6 +91,9 @@ class _Conversation:
     tokens: list[int]  # everything sent and received so far
     keys: list[bytes] = field(default_factory=list)  # full-block keys of ``tokens``
     turn: int = 0
+    # Each turn's whole prompt as token ids, when given (e.g. a real chat template's):
+    # then the prompts are sent as they are instead of being built from the word ids.
+    prompts: Sequence[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -189,6 +192,8 @@ class _Simulation:
         think_s: float,
         seed: int,
         config: RouterConfig | None,
+        concurrency: int | None = None,
+        prompts: Sequence[Sequence[list[int]]] | None = None,
     ) -> None:
         self.now = 0.0
         self.cost, self.think_s = cost, think_s
@@ -205,9 +210,22 @@ class _Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self._tie = 0
         self.tokenizer = WordTokenizer()
-        for session in sessions:
-            conv = _Conversation(session, self.tokenizer.encode(session.system))
-            self._push(session.arrival_s, "turn", conv)
+        convs = [_Conversation(s, self.tokenizer.encode(s.system)) for s in sessions]
+        if prompts is not None:
+            for conv, given in zip(convs, prompts, strict=True):
+                if len(given) != len(conv.session.turns):
+                    raise ValueError(f"{conv.session.session_id}: one prompt per turn expected")
+                conv.prompts = given
+        # Closed loop (as the replay client's): ``concurrency`` sessions at a time, the
+        # next one starting when one ends, turns back to back; else each at its arrival.
+        self.backlog: deque[_Conversation] = deque()
+        if concurrency is None:
+            for conv in convs:
+                self._push(conv.session.arrival_s, "turn", conv)
+        else:
+            self.backlog.extend(sorted(convs, key=lambda c: c.session.arrival_s))
+            for _ in range(min(concurrency, len(convs))):
+                self._push(0.0, "turn", self.backlog.popleft())
         self.ttfts: list[float] = []
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -237,19 +255,38 @@ class _Simulation:
 
     def _send_turn(self, conv: _Conversation) -> None:
         turn = conv.session.turns[conv.turn]
-        conv.tokens = conv.tokens + self.tokenizer.encode(turn.user)
-        have = len(conv.keys)
-        parent = conv.keys[-1] if conv.keys else None
-        conv.keys += block_keys(conv.tokens, BLOCK_SIZE, self.root, parent=parent, start_block=have)
+        if conv.prompts is None:
+            conv.tokens = conv.tokens + self.tokenizer.encode(turn.user)
+            have = len(conv.keys)
+            parent = conv.keys[-1] if conv.keys else None
+            conv.keys += block_keys(
+                conv.tokens, BLOCK_SIZE, self.root, parent=parent, start_block=have
+            )
+            reply = reply_tokens(conv.session.session_id, conv.turn, turn.max_tokens)
+        else:
+            conv.tokens = list(conv.prompts[conv.turn])
+            conv.keys = block_keys(conv.tokens, BLOCK_SIZE, self.root)
+            reply = self._given_reply(conv, turn.max_tokens)
         decision = self.router.route(conv.keys, conversation_key=conv.session.session_id)
         index = int(decision.replica_id.rsplit("-", 1)[1])
-        reply = reply_tokens(conv.session.session_id, conv.turn, turn.max_tokens)
         request = _Request(conv, conv.tokens, reply, self.now, index)
         self.router.request_started(decision.replica_id)
         replica = self.replicas[index]
         replica.requests += 1
         replica.queue.append(request)
         self._start_prefill(replica)
+
+    @staticmethod
+    def _given_reply(conv: _Conversation, max_tokens: int) -> list[int]:
+        """With given prompts the reply is what the next prompt resends after this one
+        (the client appends the reply it got), else stand-in ids."""
+        assert conv.prompts is not None
+        prompt = conv.prompts[conv.turn]
+        if conv.turn + 1 < len(conv.prompts):
+            following = conv.prompts[conv.turn + 1]
+            if following[: len(prompt)] == prompt:
+                return list(following[len(prompt) : len(prompt) + max_tokens])
+        return reply_tokens(conv.session.session_id, conv.turn, max_tokens)
 
     def _start_prefill(self, replica: _Replica) -> None:
         if replica.prefilling is not None or not replica.queue:
@@ -318,6 +355,8 @@ class _Simulation:
         conv.turn += 1
         if conv.turn < len(conv.session.turns):
             self._push(self.now + self.think_s, "turn", conv)
+        elif self.backlog:
+            self._push(self.now, "turn", self.backlog.popleft())
         self._reschedule(replica)
         self._start_prefill(replica)
 
@@ -333,8 +372,13 @@ def simulate(
     think_s: float = 1.0,
     seed: int = 0,
     config: RouterConfig | None = None,
+    concurrency: int | None = None,
+    prompts: Sequence[Sequence[list[int]]] | None = None,
 ) -> SimResult:
-    """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``."""
+    """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``; open loop
+    (each session at its arrival time), or closed loop with ``concurrency`` sessions at a
+    time. ``prompts``: each session's turns as whole prompts of token ids (else built
+    from the sessions' words)."""
     sim = _Simulation(
         sessions,
         policy,
@@ -345,6 +389,8 @@ def simulate(
         think_s=think_s,
         seed=seed,
         config=config,
+        concurrency=concurrency,
+        prompts=prompts,
     )
     sim.run()
     ttfts = sorted(sim.ttfts)
@@ -397,6 +443,8 @@ def run_comparison(
     think_s: float = 1.0,
     seed: int = 0,
     config: RouterConfig | None = None,
+    concurrency: int | None = None,
+    prompts: Sequence[Sequence[list[int]]] | None = None,
 ) -> list[SimResult]:
     """The oracle (one replica, N× blocks and compute) first, then each policy.
 
@@ -414,6 +462,8 @@ def run_comparison(
         compute_scale=n_replicas,
         think_s=think_s,
         seed=seed,
+        concurrency=concurrency,
+        prompts=prompts,
     )
     oracle.policy = "oracle"
     results = [oracle]
@@ -428,6 +478,8 @@ def run_comparison(
                 think_s=think_s,
                 seed=seed,
                 config=config,
+                concurrency=concurrency,
+                prompts=prompts,
             )
         )
     return results

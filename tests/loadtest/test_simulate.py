@@ -74,3 +74,48 @@ def test_cost_model_and_tokenizer() -> None:
     tok = WordTokenizer()
     assert tok.encode("a b a") == [tok.encode("a")[0], tok.encode("b")[0], tok.encode("a")[0]]
     assert working_set_blocks(small_chat()) > 0
+
+
+def test_closed_loop_runs_at_most_concurrency_sessions_at_once() -> None:
+    sessions = small_chat()
+    one = simulate(sessions, "cache_aware", 2, 400, think_s=0.0, concurrency=1)
+    four = simulate(sessions, "cache_aware", 2, 400, think_s=0.0, concurrency=4)
+    assert one.requests == four.requests == sum(len(s.turns) for s in sessions)
+    # One session at a time never waits behind another: every TTFT is its own prefill.
+    assert four.total_time_s < one.total_time_s
+    assert one.ttft_p99_s <= four.ttft_p99_s
+
+
+def test_given_prompts_are_sent_as_they_are() -> None:
+    sessions = small_chat()[:4]
+    words = WordTokenizer()
+    # Each turn's prompt = a shared 64-token head + the session's own growing history.
+    prompts = []
+    for s in sessions:
+        history = words.encode(s.session_id + " " + s.system)
+        turns = []
+        for turn in s.turns:
+            history = history + words.encode(turn.user)
+            turns.append(list(range(64)) + history)
+            history = history + [7] * turn.max_tokens  # what the "client" appends
+        prompts.append(turns)
+    result = simulate(
+        sessions, "round_robin", 1, 10_000, think_s=0.0, concurrency=1, prompts=prompts
+    )
+    assert result.requests == sum(len(t) for t in prompts)
+    # Brute force: a prompt's cached tokens are its leading whole blocks already sent or
+    # received (the cache may also share one partial tail block: up to 15 more).
+    seen: set[tuple[int, ...]] = set()
+    expected, total = 0, 0
+    for turns in prompts:
+        for i, prompt in enumerate(turns):
+            blocks = [tuple(prompt[: j + 16]) for j in range(0, len(prompt) - 15, 16)]
+            expected += 16 * next((j for j, b in enumerate(blocks) if b not in seen), len(blocks))
+            total += len(prompt)
+            sent = prompt + ([7] * 16 if i + 1 < len(turns) else [])
+            seen.update(tuple(sent[: j + 16]) for j in range(0, len(sent) - 15, 16))
+    cached = result.hit_rate * total
+    assert expected - 1e-6 <= cached <= expected + 15 * result.requests
+    assert expected > 0.5 * total  # the head and the histories really are reused
+    with pytest.raises(ValueError, match="one prompt per turn"):
+        simulate(sessions, "round_robin", 1, 100, prompts=[turns[:1] for turns in prompts])
