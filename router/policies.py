@@ -58,6 +58,8 @@ class Policy(ABC):
 
     def share_bound(self, candidates: Sequence[Candidate]) -> int:
         """Most of the recent decisions a replica may have taken, this one included."""
+        if self.config.share_slack is None:
+            return 1 << 62  # off (the default)
         total = sum(c.recent for c in candidates)
         return _bound(total, len(candidates), self.config.share_slack) + self.config.load_abs_slack
 
@@ -150,20 +152,15 @@ class CacheAware(Policy):
     """Longest cached prefix wins unless its replica is overloaded, with load priced in
     blocks.
 
-    1. "Open" replicas pass two bounds (consistent hashing with bounded loads, Mirrokni
-       et al., applied twice):
+    1. "Open" replicas pass the bounds (consistent hashing with bounded loads,
+       Mirrokni et al.):
        * queue: ``load + 1 <= ceil((1+load_slack)·(total+1)/n) + load_abs_slack``
          requests in flight — no replica piles up a queue while others idle;
-       * share: ``recent + 1 <= ceil((1+share_slack)·(recent total+1)/n) +
-         load_abs_slack`` of the router's last decisions — no replica takes more than its share of the
-         traffic over time. Conversations and hot prefixes stay where they are cached,
-         so this is what keeps requests per replica even, and what makes a hot prefix
-         spread to a second replica instead of being hoarded.
-       The queue bound alone had to be tight to keep the long-run balance (ε 0.1, no
-       absolute slack), and a tight instantaneous cap spills requests away from their
-       cache whenever a few happen to overlap (10% of doc Q&A requests in the
-       simulation). With the share bound doing the balancing, the queue bound can be
-       loose. When nobody passes both, the queue bound alone decides.
+       * share, when ``share_slack`` is set (off by default, router/config.py says
+         why): ``recent + 1 <= ceil((1+share_slack)·(recent total+1)/n) +
+         load_abs_slack`` of the router's last decisions — no replica takes more than
+         its share of the traffic over time, so the queue bound can be loose.
+       When nobody passes both, the queue bound alone decides.
     2. Among open replicas the highest score wins, score = useful matched blocks −
        ``load_cost_blocks`` × (load − the least open load): a cost model in blocks
        (blocks to recompute vs. requests to wait behind), so a long match is worth a

@@ -104,11 +104,11 @@ def test_router_options_reach_the_router_config_with_clear_errors() -> None:
     from gateway.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(
-        ["--router-option", "load_slack=0.25", "--router-option", "load-abs-slack=2"]
+        ["--router-option", "load_slack=0.25", "--router-option", "share-slack=0.15"]
     )
     config = config_from_args(args).router
-    assert (config.load_slack, config.load_abs_slack) == (0.25, 2)
-    assert config.share_slack == RouterConfig().share_slack  # the rest keep their defaults
+    assert (config.load_slack, config.share_slack) == (0.25, 0.15)
+    assert config.load_abs_slack == RouterConfig().load_abs_slack  # the rest: defaults
     for bad, says in (
         ("no_such=1", "NAME one of"),
         ("load_slack", "NAME=VALUE"),

@@ -46,7 +46,7 @@ def test_cache_aware_longest_prefix_wins() -> None:
 
 
 def test_cache_aware_overloaded_best_match_falls_back_to_next_best() -> None:
-    # queue bound = ceil(1.5 * (12 + 1) / 4) + 1 = 6; r0 would hold 10 > 6.
+    # queue bound = ceil(1.1 * (12 + 1) / 4) = 4; r0 would hold 10 > 4.
     choice = policy("cache_aware").choose(request([9, 1, 1, 1], [8, 4, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r1", "overload_fallback")
 
@@ -57,15 +57,22 @@ def test_cache_aware_hot_prefix_spreads_to_an_open_replica() -> None:
     assert choice == ("r2", "overload_fallback")  # the least loaded open replica
 
 
+SHARE = {"share_slack": 0.15, "load_slack": 0.5, "load_abs_slack": 1}
+
+
 def test_cache_aware_share_bound_spreads_what_sticks() -> None:
     # r0 holds the prefix and is not queued, but took 30 of the last 64 decisions:
     # share bound = ceil(1.15 * (64 + 1) / 4) + 1 = 20 < 31.
     recent = [30, 10, 12, 12]
-    choice = policy("cache_aware").choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))  # type: ignore[attr-defined]
-    assert choice == ("r2", "overload_fallback")
+    req = request([2, 2, 1, 2], [8, 0, 0, 0], None, recent)
+    assert policy("cache_aware", **SHARE).choose(req) == ("r2", "overload_fallback")  # type: ignore[attr-defined]
+    # Off by default: the match wins.
+    assert policy("cache_aware").choose(req) == ("r0", "prefix_match 8/8 blocks")  # type: ignore[attr-defined]
     # Within its share (19 + 1 <= 20) it keeps the match.
     recent = [19, 15, 15, 15]
-    choice = policy("cache_aware").choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))  # type: ignore[attr-defined]
+    choice = policy("cache_aware", **SHARE).choose(
+        request([2, 2, 1, 2], [8, 0, 0, 0], None, recent)
+    )  # type: ignore[attr-defined]
     assert choice == ("r0", "prefix_match 8/8 blocks")
 
 
@@ -74,13 +81,13 @@ def test_cache_aware_queue_bound_wins_when_no_replica_passes_both() -> None:
     # r0-r2 are over their share (bound ceil(1.15*41/4)+1 = 13): the queue bound alone.
     recent = [13, 13, 14, 0]
     loads = [0, 0, 0, 8]
-    choice = policy("cache_aware").choose(request(loads, [0, 3, 0, 8], None, recent))  # type: ignore[attr-defined]
+    choice = policy("cache_aware", **SHARE).choose(request(loads, [0, 3, 0, 8], None, recent))  # type: ignore[attr-defined]
     assert choice == ("r1", "overload_fallback")
 
 
 def test_cache_aware_small_imbalance_keeps_the_match() -> None:
-    # queue bound = ceil(1.5 * (15 + 1) / 4) + 1 = 7: r0 taking a 5th request is within
-    # it, and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
+    # queue bound = ceil(1.1 * (15 + 1) / 4) = 5: r0 taking a 5th request is within it,
+    # and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
     pol = policy("cache_aware", load_cost_blocks=4)
     choice = pol.choose(request([4, 4, 3, 4], [8, 0, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r0", "prefix_match 8/8 blocks")
