@@ -198,19 +198,14 @@ class Router:
         matches = index.depths(index.lookup(short))
         # tuple.__new__ directly: Candidate(...) and Candidate._make run Python code.
         ids = [v.replica_id for v in views]
-        recent = self._recent_counts
+        columns = [ids, [v.load.load for v in views], list(map(matches.get, ids, repeat(0)))]
+        sharing = self.config.share_slack is not None  # the window only feeds the share bound
+        # (tuple.__new__ skips the NamedTuple's default: every field is given.)
+        columns.append(
+            list(map(self._recent_counts.__getitem__, ids)) if sharing else [0] * len(ids)
+        )
         candidates: list[Candidate] = list(
-            map(
-                tuple.__new__,
-                repeat(Candidate),
-                zip(
-                    ids,
-                    [v.load.load for v in views],
-                    map(matches.get, ids, repeat(0)),
-                    map(recent.__getitem__, ids),
-                    strict=True,
-                ),
-            )
+            map(tuple.__new__, repeat(Candidate), zip(*columns, strict=True))
         )
         request = RouteInput(candidates, len(short), conversation_key, short[0] if short else None)
         choice = self.policy.choose(request)
@@ -224,15 +219,20 @@ class Router:
                 held=matches.get(chosen.replica_id, 0),
             )
         self._decisions[choice.reason.split(" ", 1)[0]] += 1
-        self._recent.append(chosen.replica_id)
-        recent[chosen.replica_id] += 1
-        if len(self._recent) > self.config.recent_decisions_per_replica * len(self._replicas):
-            recent[self._recent.popleft()] -= 1
+        if sharing:
+            self._note_recent(chosen.replica_id)
         for hook in self._hooks:
             hook(chosen.replica_id, short)
         return Decision(
             choice.replica_id, choice.reason, matches.get(choice.replica_id, 0), len(short)
         )
+
+    def _note_recent(self, replica_id: str) -> None:
+        recent = self._recent_counts
+        self._recent.append(replica_id)
+        recent[replica_id] += 1
+        if len(self._recent) > self.config.recent_decisions_per_replica * len(self._replicas):
+            recent[self._recent.popleft()] -= 1
 
     def add_routed_hook(self, hook: RoutedHook) -> None:
         self._hooks.append(hook)

@@ -76,7 +76,7 @@ def test_cache_aware_share_bound_spreads_what_sticks() -> None:
     assert policy("cache_aware").choose(req) == ("r0", "prefix_match 8/8 blocks")  # type: ignore[attr-defined]
     # Within its share (19 + 1 <= 20) it keeps the match.
     recent = [19, 15, 15, 15]
-    choice = share_policy().choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))  # type: ignore[attr-defined]
+    choice = share_policy().choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))
     assert choice == ("r0", "prefix_match 8/8 blocks")
 
 

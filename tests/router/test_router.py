@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from router.config import RouterConfig
@@ -149,3 +151,18 @@ def test_static_replica_and_its_registration_are_one_replica() -> None:
     assert list(router.replicas) == ["replica-a"]
     router.add_replica("replica-b", "http://127.0.0.1:8102", "m")
     assert sorted(router.replicas) == ["replica-a", "replica-b"]
+
+
+def test_share_bound_uses_the_routers_recent_decisions_only_when_on() -> None:
+    # One prefix, requests one at a time (nothing in flight): the queue bound never
+    # binds, so only the share bound can move requests off the replica holding it.
+    for config, spread in (({}, False), ({"share_slack": 0.15}, True)):
+        router, _ = make(3, **config)
+        chosen: Counter[str] = Counter()
+        for i in range(96):
+            decision = router.route(keys(1, 2, 3, 100 + i))
+            router.request_started(decision.replica_id)
+            router.request_finished(decision.replica_id, ok=True)
+            chosen[decision.replica_id] += 1
+        assert (max(chosen.values()) < 50) is spread, (config, chosen)
+        router.check_invariants()
