@@ -35,7 +35,7 @@ class Tokenizer(Protocol):
 
 
 class PromptKeys(NamedTuple):
-    keys: list[bytes]  # full 32-byte keys, one per full block
+    keys: list[bytes]  # short (16-byte) block keys, one per full block, for Router.route
     prompt_tokens: int  # pseudo-tokens for byte-keyed prompts
     tokenized: bool  # False: keys over the prompt's bytes (no tokenizer for the model)
 
@@ -108,22 +108,24 @@ def prompt_keys(
     block_size: int,
     salt: str,
 ) -> PromptKeys:
+    space = KeySpace(model, block_size, salt)
     if isinstance(request, CompletionRequest):
         prompt = request.single_prompt()
         if not isinstance(prompt, str):  # token ids: exact whatever the tokenizer
-            return PromptKeys(KeySpace(model, block_size, salt).keys(prompt), len(prompt), True)
+            return PromptKeys(space.short_keys(prompt), len(prompt), True)
         if tokenizer is not None:
             ids = tokenizer.encode(prompt)
-            return PromptKeys(KeySpace(model, block_size, salt).keys(ids), len(ids), True)
+            return PromptKeys(space.short_keys(ids), len(ids), True)
         text = prompt
     else:
         messages = request.template_messages()
         if tokenizer is not None:
             ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
-            return PromptKeys(KeySpace(model, block_size, salt).keys(ids), len(ids), True)
+            return PromptKeys(space.short_keys(ids), len(ids), True)
         text = "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in messages)
     words = bytes_as_tokens(text.encode("utf-8"))
-    return PromptKeys(KeySpace(f"bytes:{model}", block_size, salt).keys(words), len(words), False)
+    byte_space = KeySpace(f"bytes:{model}", block_size, salt)
+    return PromptKeys(byte_space.short_keys(words), len(words), False)
 
 
 def bytes_as_tokens(data: bytes) -> Sequence[int]:

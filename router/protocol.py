@@ -96,11 +96,14 @@ def block_keys(
     *,
     parent: bytes | None = None,
     start_block: int = 0,
+    short: bool = False,
 ) -> list[bytes]:
     """Chained keys of every full block of ``token_ids``.
 
     With ``parent`` and ``start_block`` the chain resumes mid-way: the keys of blocks
     ``start_block..`` given the key of block ``start_block - 1`` (``root`` when None).
+    ``short``: each key's 16-byte short form (``short_key``), what the router indexes;
+    the chain itself always runs on the full keys.
     """
     if start_block > 0 and parent is None:
         # Resuming from the root would silently produce keys of a different chain.
@@ -113,7 +116,7 @@ def block_keys(
     sha = hashlib.sha256
     for i in range(start_block, n_full):
         prev = sha(prev + data[i * width : (i + 1) * width]).digest()
-        keys.append(prev)
+        keys.append(prev[:SHORT_KEY_BYTES] if short else prev)
     return keys
 
 
@@ -131,6 +134,10 @@ class KeySpace:
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         return block_keys(token_ids, self.block_size, self.root)
+
+    def short_keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """``keys`` in their short form, as ``Router.route`` takes them."""
+        return block_keys(token_ids, self.block_size, self.root, short=True)
 
 
 def short_key(key: bytes) -> bytes:

@@ -177,7 +177,10 @@ class Router:
         model: str | None = None,
         exclude: Collection[str] = (),
     ) -> Decision:
-        short = list(map(_SHORT, keys))
+        """The replica for a prompt whose block keys are ``keys``: short ones, as the
+        gateway computes them (``KeySpace.short_keys``), or full ones, cut down here.
+        Copied either way: the optimistic insert keeps the list."""
+        short = list(map(_SHORT, keys)) if keys and len(keys[0]) > SHORT_KEY_BYTES else list(keys)
         now = self.clock()
         views = [
             v

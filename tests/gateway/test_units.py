@@ -12,7 +12,7 @@ from gateway.proxy import SSEScanner, cached_tokens_in
 from gateway.routing import KeyBuilder, bytes_as_tokens, prompt_keys
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest, OpenAIError
 from router.config import RouterConfig
-from router.protocol import KeySpace
+from router.protocol import KeySpace, short_key
 
 
 def test_api_keys_json_and_yaml(tmp_path: Path) -> None:
@@ -53,9 +53,13 @@ class FakeTokenizer:
 def test_prompt_keys_use_the_tokenizer_salt_and_token_ids() -> None:
     req = CompletionRequest(model="m", prompt="x" * 40)
     keys = prompt_keys(req, FakeTokenizer(), "m", 16, "salt")
-    assert keys.keys == KeySpace("m", 16, "salt").keys([ord("x")] * 40) and keys.tokenized
+    space = KeySpace("m", 16, "salt")
+    assert keys.keys == space.short_keys([ord("x")] * 40) and keys.tokenized
+    assert keys.keys == [short_key(k) for k in space.keys([ord("x")] * 40)]
     ids = CompletionRequest(model="m", prompt=list(range(33)))
-    assert prompt_keys(ids, None, "m", 16, "").keys == KeySpace("m", 16, "").keys(list(range(33)))
+    assert prompt_keys(ids, None, "m", 16, "").keys == KeySpace("m", 16, "").short_keys(
+        list(range(33))
+    )
     chat = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "y" * 64}]}
     )

@@ -43,6 +43,19 @@ def test_route_prefers_the_replica_with_the_prefix_and_explains_why() -> None:
     router.check_invariants()
 
 
+def test_route_takes_short_keys_as_the_gateway_computes_them() -> None:
+    router, _ = make()
+    tokens = [t for run in (1, 2, 3, 4) for t in [run] * 16]
+    short = SPACE.short_keys(tokens)
+    assert short == [k[:16] for k in SPACE.keys(tokens)]
+    router.apply_event("r1", BlockEvent(1, "stored", tuple(short[:2])))
+    assert router.route(short) == ("r1", "prefix_match 2/4 blocks", 2, 4)
+    short.append(b"x" * 16)  # the caller's list may grow later: route() kept a copy
+    router.request_finished("r1", ok=True)  # folds the deferred optimistic insert
+    assert router.route(short).matched_blocks == 4  # the insert's 4 keys, not the 5th
+    router.check_invariants()
+
+
 def test_optimistic_insert_makes_a_burst_stick_and_hooks_see_it() -> None:
     router, _ = make()
     seen: list[tuple[str, list[bytes]]] = []
