@@ -185,11 +185,17 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
+        """200 once at least ``?min_replicas=N`` (default 1) replicas are healthy: with
+        N = all of them, a freshly started cluster serves with every replica (their
+        breakers opened while they loaded close on the next good probe)."""
         state: GatewayState = request.app.state.gateway
         healthy = [rid for rid, v in state.router.replicas.items() if v.healthy]
-        return JSONResponse(
-            {"ready": bool(healthy), "healthy_replicas": healthy}, 200 if healthy else 503
-        )
+        raw = request.query_params.get("min_replicas", "1")
+        if not raw.isdigit():
+            message = f"min_replicas must be a non-negative integer, got {raw!r}"
+            return JSONResponse(error_body(message, param="min_replicas"), 400)
+        ok = len(healthy) >= max(1, int(raw))
+        return JSONResponse({"ready": ok, "healthy_replicas": healthy}, 200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -151,7 +151,11 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
     health = {f"replica-{i}": f"{url}/health" for i, url in enumerate(replica_urls)}
     if not stack.wait_ready(health, args.ready_timeout_s):
         return 0 if stack.stop_signal is not None else 1
-    if not stack.wait_ready({"gateway": f"{gateway_url}/ready"}, args.ready_timeout_s):
+    # Every replica healthy in the gateway's eyes, not just answering: probes that failed
+    # while the replicas loaded opened their breakers, and the first requests would
+    # otherwise all go to the replicas that happened to be probed again first.
+    ready_url = f"{gateway_url}/ready?min_replicas={args.replicas}"
+    if not stack.wait_ready({"gateway": ready_url}, args.ready_timeout_s):
         return 0 if stack.stop_signal is not None else 1
     print(banner(args, f"{gateway_url}/v1"), flush=True)
     (stack.run_dir / "ready").write_text(f"{gateway_url}/v1\n")
@@ -163,8 +167,8 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
 DESCRIPTION = """\
 Start a local prefixgate cluster: an embedded Redis (no persistence; skipped with
 --redis-url), N replicas and one gateway, each a child process with its own log in the
-run directory. Waits until every replica's /health and the gateway's /ready answer, then
-prints the base_url and how to call it.
+run directory. Waits until every replica's /health answers and the gateway sees every
+replica healthy (/ready?min_replicas=N), then prints the base_url and how to call it.
 
 Ctrl-C or SIGTERM stops every child: the gateway, then the replicas, then Redis (SIGTERM,
 then SIGKILL after --stop-grace-s). If a child dies, its log tail is printed, the rest

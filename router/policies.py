@@ -35,6 +35,7 @@ class RouteInput(NamedTuple):
     total_blocks: int
     conversation_key: str | None
     first_key: bytes | None  # the request's first block key (short), when it has one
+    continuing: bool = False  # a conversation this router has routed before
 
 
 class Choice(NamedTuple):
@@ -65,7 +66,7 @@ class Policy(ABC):
         if self.config.share_slack is None:
             return 1 << 62  # off (the default)
         total = sum(map(_RECENT, candidates))
-        return _bound(total, len(candidates), self.config.share_slack) + self.config.load_abs_slack
+        return _bound(total, len(candidates), self.config.share_slack) + self.config.share_abs_slack
 
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         low = min(map(_LOAD, candidates))
@@ -160,10 +161,11 @@ class CacheAware(Policy):
        Mirrokni et al.):
        * queue: ``load + 1 <= ceil((1+load_slack)·(total+1)/n) + load_abs_slack``
          requests in flight — no replica piles up a queue while others idle;
-       * share, when ``share_slack`` is set (off by default, router/config.py says
-         why): ``recent + 1 <= ceil((1+share_slack)·(recent total+1)/n) +
-         load_abs_slack`` of the router's last decisions — no replica takes more than
-         its share of the traffic over time, so the queue bound can be loose.
+       * share, for new work: ``recent + 1 <= ceil((1+share_slack)·(recent total+1)/n)
+         + share_abs_slack`` of the router's last decisions — no replica takes more
+         than its share of the traffic over time, so the queue bound can be loose. A
+         continuing conversation (``RouteInput.continuing``: the router has routed it
+         before) is exempt: it stays with its history unless its replica is queued.
        When nobody passes both, the queue bound alone decides.
     2. Among open replicas the highest score wins, score = useful matched blocks −
        ``load_cost_blocks`` × (load − the least open load): a cost model in blocks
@@ -190,7 +192,7 @@ class CacheAware(Policy):
         config = self.config
         bound = self.load_bound(candidates)
         open_ = [c for c in candidates if c.load < bound]  # load + 1 <= bound; never empty
-        if config.share_slack is not None:
+        if config.share_slack is not None and not request.continuing:
             share = self.share_bound(candidates)
             open_ = [c for c in open_ if c.recent < share] or open_
         floor = config.min_match_blocks

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -100,6 +100,7 @@ class Router:
         # (cache_aware's long-run balance; conversations stay where they land).
         self._recent: deque[str] = deque()
         self._recent_counts: Counter[str] = Counter()
+        self._conversations: OrderedDict[str, None] = OrderedDict()
         self._expired_optimistic = 0
         self._resyncs = 0
 
@@ -210,7 +211,10 @@ class Router:
         candidates: list[Candidate] = list(
             map(tuple.__new__, repeat(Candidate), zip(*columns, strict=True))
         )
-        request = RouteInput(candidates, len(short), conversation_key, short[0] if short else None)
+        continuing = sharing and conversation_key is not None and self._seen(conversation_key)
+        request = RouteInput(
+            candidates, len(short), conversation_key, short[0] if short else None, continuing
+        )
         choice = self.policy.choose(request)
         chosen = self._replicas[choice.replica_id]
         chosen.breaker.on_dispatch()
@@ -229,6 +233,18 @@ class Router:
         return Decision(
             choice.replica_id, choice.reason, matches.get(choice.replica_id, 0), len(short)
         )
+
+    def _seen(self, conversation_key: str) -> bool:
+        """Whether this router routed the conversation before (remembered up to a cap,
+        least recently seen forgotten first); notes it either way."""
+        seen = self._conversations
+        if conversation_key in seen:
+            seen.move_to_end(conversation_key)
+            return True
+        seen[conversation_key] = None
+        if len(seen) > self.config.remembered_conversations:
+            seen.popitem(last=False)
+        return False
 
     def _note_recent(self, replica_id: str) -> None:
         recent = self._recent_counts
@@ -332,6 +348,7 @@ class Router:
             "decisions": dict(self._decisions),
             "index_blocks": len(self.index),
             "expired_optimistic": self._expired_optimistic,
+            "remembered_conversations": len(self._conversations),
             "sequence_gaps": self._resyncs,
             "replicas": {
                 rid: {

@@ -26,12 +26,13 @@ def request(
     matched: list[int],
     conversation: str | None = None,
     recent: list[int] | None = None,
+    continuing: bool = False,
 ) -> RouteInput:
     cands = [
         Candidate(rid, load, m, r)
         for rid, load, m, r in zip(IDS, loads, matched, recent or [0] * 4, strict=True)
     ]
-    return RouteInput(cands, 8, conversation, b"k" * 16)
+    return RouteInput(cands, 8, conversation, b"k" * 16, continuing)
 
 
 def test_unknown_policy_is_a_value_error() -> None:
@@ -46,7 +47,7 @@ def test_cache_aware_longest_prefix_wins() -> None:
 
 
 def test_cache_aware_overloaded_best_match_falls_back_to_next_best() -> None:
-    # queue bound = ceil(1.1 * (12 + 1) / 4) = 4; r0 would hold 10 > 4.
+    # queue bound = ceil(1.5 * (12 + 1) / 4) + 1 = 6; r0 would hold 10 > 6.
     choice = policy("cache_aware").choose(request([9, 1, 1, 1], [8, 4, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r1", "overload_fallback")
 
@@ -58,31 +59,30 @@ def test_cache_aware_hot_prefix_spreads_to_an_open_replica() -> None:
 
 
 def share_policy() -> Policy:
-    """cache_aware with the opt-in share bound, as BENCHMARKS.md measures it."""
-    ring = Ring()
-    for rid in IDS:
-        ring.add(rid)
-    config = RouterConfig(share_slack=0.15, load_slack=0.5, load_abs_slack=1)
-    return make_policy("cache_aware", config, ring, random.Random(0))
+    """cache_aware with the default bounds: share ε 0.1 (+0), queue ε 0.5 (+1)."""
+    return policy("cache_aware")  # type: ignore[return-value]
 
 
 def test_cache_aware_share_bound_spreads_what_sticks() -> None:
     # r0 holds the prefix and is not queued, but took 30 of the last 64 decisions:
-    # share bound = ceil(1.15 * (64 + 1) / 4) + 1 = 20 < 31.
+    # share bound = ceil(1.1 * (64 + 1) / 4) = 18 < 31.
     recent = [30, 10, 12, 12]
     req = request([2, 2, 1, 2], [8, 0, 0, 0], None, recent)
     assert share_policy().choose(req) == ("r2", "overload_fallback")
-    # Off by default: the match wins.
-    assert policy("cache_aware").choose(req) == ("r0", "prefix_match 8/8 blocks")  # type: ignore[attr-defined]
-    # Within its share (19 + 1 <= 20) it keeps the match.
-    recent = [19, 15, 15, 15]
+    # Turned off, or for a conversation the router has routed before: the match wins.
+    off = policy("cache_aware", share_slack=None)  # type: ignore[arg-type]
+    assert off.choose(req) == ("r0", "prefix_match 8/8 blocks")  # type: ignore[attr-defined]
+    continuing = request([2, 2, 1, 2], [8, 0, 0, 0], "chat-1", recent, continuing=True)
+    assert share_policy().choose(continuing) == ("r0", "prefix_match 8/8 blocks")
+    # Within its share (17 + 1 <= ceil(1.1 * 63 / 4) = 18) it keeps the match.
+    recent = [17, 15, 15, 15]
     choice = share_policy().choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))
     assert choice == ("r0", "prefix_match 8/8 blocks")
 
 
 def test_cache_aware_queue_bound_wins_when_no_replica_passes_both() -> None:
     # r3 has the fewest recent decisions but a queue (bound ceil(1.5*9/4)+1 = 5 < 9);
-    # r0-r2 are over their share (bound ceil(1.15*41/4)+1 = 13): the queue bound alone.
+    # r0-r2 are over their share (bound ceil(1.1*41/4) = 12): the queue bound alone.
     recent = [13, 13, 14, 0]
     loads = [0, 0, 0, 8]
     choice = share_policy().choose(request(loads, [0, 3, 0, 8], None, recent))
@@ -90,16 +90,16 @@ def test_cache_aware_queue_bound_wins_when_no_replica_passes_both() -> None:
 
 
 def test_cache_aware_small_imbalance_keeps_the_match() -> None:
-    # queue bound = ceil(1.1 * (15 + 1) / 4) = 5: r0 taking a 5th request is within it,
-    # and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
+    # queue bound = ceil(1.5 * (15 + 1) / 4) + 1 = 7: r0 taking a 5th request is within
+    # it, and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
     pol = policy("cache_aware", load_cost_blocks=4)
     choice = pol.choose(request([4, 4, 3, 4], [8, 0, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r0", "prefix_match 8/8 blocks")
 
 
 def test_cache_aware_prices_load_in_blocks() -> None:
-    # Everyone is under the bound (ceil(1.1 * 8 / 4) = 3); r0's one-block match is not
-    # worth a request more in flight than r1 at the default 8 blocks a request ...
+    # Everyone is under the bound (ceil(1.5 * 8 / 4) + 1 = 4); r0's one-block match is
+    # not worth a request more in flight than r1 at the default 2 blocks a request ...
     choice = policy("cache_aware").choose(request([2, 1, 2, 2], [1, 0, 0, 0]))  # type: ignore[attr-defined]
     assert choice == ("r1", "load_tradeoff")
     # ... but 8 blocks are at 4 blocks a request; and with load priced at 0 any longer
