@@ -64,7 +64,7 @@ class Policy(ABC):
     def share_bound(self, candidates: Sequence[Candidate]) -> int:
         """Most of the recent decisions a replica may have taken, this one included."""
         if self.config.share_slack is None:
-            return 1 << 62  # off (the default)
+            return 1 << 62  # off
         total = sum(map(_RECENT, candidates))
         return _bound(total, len(candidates), self.config.share_slack) + self.config.share_abs_slack
 
