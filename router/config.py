@@ -60,7 +60,8 @@ class RouterConfig:
     remembered_conversations: int = 100_000
     """Conversation keys the router remembers having routed (least recently seen
     forgotten first): a conversation it remembers is continuing, exempt from the share
-    bound."""
+    bound. Each gateway remembers its own: behind several gateways, a conversation's
+    first turn through this one counts as new here."""
 
     load_cost_blocks: float = 2.0
     """cache_aware's price of load, in blocks: among open replicas, score = matched
