@@ -4,6 +4,9 @@ A sequence (one choice of a request) moves waiting → running → finished::
 
     waiting   holds no blocks. Admission: prefix match (pins the cached blocks), allocate
               blocks for every token it holds, copy the shared partial block if any.
+              Deferred while a running sequence is still prefilling a longer piece of
+              its prompt than the cache holds: it is admitted once those blocks are
+              committed, and shares them instead of computing them again.
     running   each step computes tokens [num_computed, len(token_ids)):
               prefill chunks under ``max_prefill_tokens_per_step``, and every decoding
               sequence (one token left) in the same forward.
@@ -178,11 +181,15 @@ class Scheduler:
 
     def _admit(self, seq: SequenceState) -> bool:
         """Match the cache, take blocks for every token of ``seq``; False if the pool
-        cannot hold it now (it stays first in the queue)."""
+        cannot hold it now or a running prefill is computing more of its prompt (it
+        stays first in the queue)."""
         request = seq.request
         bs = self.pool.block_size
         need_total = math.ceil(len(seq.token_ids) / bs)
         hit = self.cache.match(seq.token_ids, request.salt)
+        if self._prefilling_more_of(seq, hit.cached_tokens // bs):
+            self.cache.release(hit.block_ids)
+            return False
         partial = hit.cached_tokens % bs != 0
         try:
             fresh = self.cache.allocate(need_total - len(hit.block_ids) + int(partial))
@@ -210,6 +217,23 @@ class Scheduler:
             request.cached_tokens = hit.cached_tokens
         self.running.append(seq)
         return True
+
+    def _prefilling_more_of(self, seq: SequenceState, cached_blocks: int) -> bool:
+        """Whether a running sequence (same salt) is still prefilling a prompt that
+        shares at least one more full block with ``seq``'s prompt than the cache holds.
+        That sequence always gets prefill budget before admissions, so it commits those
+        blocks within a few steps (``_prompt_done``) and ``seq`` then matches them."""
+        n = (cached_blocks + 1) * self.pool.block_size  # tokens up to the next full block
+        if n > seq.num_prompt:
+            return False
+        head = seq.token_ids[:n]
+        return any(
+            other.num_computed < other.num_prompt
+            and other.num_prompt >= n
+            and other.request.salt == seq.request.salt
+            and other.token_ids[:n] == head
+            for other in self.running
+        )
 
     def _reserve_slot(self, seq: SequenceState) -> None:
         """Make sure position ``num_computed`` has a private block to be written into."""

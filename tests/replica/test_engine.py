@@ -83,6 +83,27 @@ def test_request_alone_equals_request_in_a_batch_of_8(tiny: LoadedModel) -> None
     assert batched == alone
 
 
+def test_a_burst_on_one_new_prefix_computes_it_once(tiny: LoadedModel) -> None:
+    # Four requests on one new 200-token prefix, queued together: the first prefills it
+    # (in chunks of 64 tokens here); the others wait for its blocks instead of
+    # computing the same prefix alongside it, and then share them.
+    head = _prompt(50, 200)
+    prompts = [[*head, *_prompt(60 + i, 9)] for i in range(4)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with running(tiny) as engine:
+        alone = [engine.generate(p, params).choices[0].token_ids for p in prompts]
+    engine = Engine(
+        tiny, EngineConfig(num_blocks=128, max_prefill_tokens_per_step=64, check_invariants=True)
+    )
+    handles = [engine.submit(p, params) for p in prompts]  # queued before start
+    engine.start()
+    outs = [h.wait(60) for h in handles]
+    _assert_idle_and_unpinned(engine)
+    engine.stop()
+    assert [o.cached_tokens for o in outs] == [0, 192, 192, 192]  # 12 full blocks of 16
+    assert [o.choices[0].token_ids for o in outs] == alone
+
+
 def test_preemption_under_pool_pressure_keeps_greedy_output(tiny: LoadedModel) -> None:
     prompts = [_prompt(30 + i, 40) for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
