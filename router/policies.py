@@ -24,7 +24,7 @@ class Candidate(NamedTuple):
     replica_id: str
     load: int
     matched: int  # leading blocks of the request this replica holds
-    recent: int = 0  # how many of the router's recent decisions went to this replica
+    recent: int = 0  # how many of the router's recent decisions on new work it took
 
 
 _LOAD, _MATCHED, _RECENT = (itemgetter(i) for i in (1, 2, 3))  # Candidate fields, C speed
@@ -162,10 +162,11 @@ class CacheAware(Policy):
        * queue: ``load + 1 <= ceil((1+load_slack)·(total+1)/n) + load_abs_slack``
          requests in flight — no replica piles up a queue while others idle;
        * share, for new work: ``recent + 1 <= ceil((1+share_slack)·(recent total+1)/n)
-         + share_abs_slack`` of the router's last decisions — no replica takes more
-         than its share of the traffic over time, so the queue bound can be loose. A
-         continuing conversation (``RouteInput.continuing``: the router has routed it
-         before) is exempt: it stays with its history unless its replica is queued.
+         + share_abs_slack`` of the router's last decisions on new work — no replica
+         takes more than its share of new conversations and keyless requests, so the
+         queue bound can be loose. A continuing conversation (``RouteInput.continuing``:
+         the router has routed it before) is exempt and not counted: it stays with its
+         history unless its replica is queued.
        When nobody passes both, the queue bound alone decides.
     2. Among open replicas the highest score wins, score = useful matched blocks −
        ``load_cost_blocks`` × (load − the least open load): a cost model in blocks

@@ -95,9 +95,10 @@ class Router:
         self._replicas: dict[str, ReplicaView] = {}
         self._hooks: list[RoutedHook] = []
         self._decisions: Counter[str] = Counter()
-        # The last decisions (``recent_decisions_per_replica`` × replicas) and how many
-        # went to each: the share of the traffic each replica has been taking lately
-        # (cache_aware's long-run balance; conversations stay where they land).
+        # The last decisions on new work (``recent_decisions_per_replica`` × replicas):
+        # how many went to each, the share of new conversations and keyless requests
+        # each replica has been taking lately (cache_aware's long-run balance; a
+        # continuing conversation stays where its history is and is not counted).
         self._recent: deque[str] = deque()
         self._recent_counts: Counter[str] = Counter()
         self._conversations: OrderedDict[str, None] = OrderedDict()
@@ -226,7 +227,7 @@ class Router:
                 held=matches.get(chosen.replica_id, 0),
             )
         self._decisions[choice.reason.split(" ", 1)[0]] += 1
-        if sharing:
+        if sharing and not continuing:  # the share bound spreads new work only
             self._note_recent(chosen.replica_id)
         for hook in self._hooks:
             hook(chosen.replica_id, short)

@@ -205,6 +205,12 @@ def test_share_bound_leaves_a_continuing_conversation_with_its_history() -> None
         router.request_finished(decision.replica_id, ok=True)
     newcomer = router.route(keys(1, 2, 3, 999), conversation_key="chat-2")
     assert newcomer.replica_id != first.replica_id and newcomer.reason == "overload_fallback"
+    # The conversation's turns do not count against its replica's share of new work:
+    # new conversations on other prompts go round all three replicas, its own included.
+    placed = Counter(
+        router.route(keys(500 + i), conversation_key=f"new-{i}").replica_id for i in range(6)
+    )
+    assert placed[first.replica_id] == 2, placed
     router.check_invariants()
 
 
