@@ -274,7 +274,9 @@ def test_up_serves_caches_and_stops_cleanly(
         assert second_cached is not None and second_cached > 0
 
         # `prefixgate chat`, in-process (a new interpreter per call costs seconds here).
-        for _ in range(2):
+        # Each call is new work, which the router spreads over both replicas; by the
+        # third call both hold the system prompt, wherever it goes.
+        for _ in range(3):
             assert cli.main(["chat", SYSTEM, "--base-url", base_url, "--max-tokens", "4"]) == 0
         printed = capsys.readouterr().out
         found = re.search(r"\[replica (\S+) · prompt tokens (\d+) · cached (\d+)\]$", printed)
