@@ -191,7 +191,7 @@ def _add_routes(app: FastAPI) -> None:
         state: GatewayState = request.app.state.gateway
         healthy = [rid for rid, v in state.router.replicas.items() if v.healthy]
         raw = request.query_params.get("min_replicas", "1")
-        if not raw.isdigit():
+        if not (raw.isascii() and raw.isdigit()):
             message = f"min_replicas must be a non-negative integer, got {raw!r}"
             return JSONResponse(error_body(message, param="min_replicas"), 400)
         ok = len(healthy) >= max(1, int(raw))
