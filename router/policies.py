@@ -61,12 +61,11 @@ class Policy(ABC):
         total = sum(map(_LOAD, candidates))
         return _bound(total, len(candidates), self.config.load_slack) + self.config.load_abs_slack
 
-    def share_bound(self, candidates: Sequence[Candidate]) -> int:
-        """Most of the recent decisions a replica may have taken, this one included."""
-        if self.config.share_slack is None:
-            return 1 << 62  # off
+    def share_bound(self, candidates: Sequence[Candidate], share_slack: float) -> int:
+        """Most of the recent decisions on new work a replica may have taken, this one
+        included (the caller checks that the share bound is on)."""
         total = sum(map(_RECENT, candidates))
-        return _bound(total, len(candidates), self.config.share_slack) + self.config.share_abs_slack
+        return _bound(total, len(candidates), share_slack) + self.config.share_abs_slack
 
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         low = min(map(_LOAD, candidates))
@@ -194,7 +193,7 @@ class CacheAware(Policy):
         bound = self.load_bound(candidates)
         open_ = [c for c in candidates if c.load < bound]  # load + 1 <= bound; never empty
         if config.share_slack is not None and not request.continuing:
-            share = self.share_bound(candidates)
+            share = self.share_bound(candidates, config.share_slack)
             open_ = [c for c in open_ if c.recent < share] or open_
         floor = config.min_match_blocks
         best = max(map(_MATCHED, candidates))
