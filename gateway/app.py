@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Authenticator, load_api_keys
+from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.metrics import GatewayMetrics
@@ -196,6 +197,21 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse(error_body(message, param="min_replicas"), 400)
         ok = len(healthy) >= max(1, int(raw))
         return JSONResponse({"ready": ok, "healthy_replicas": healthy}, 200 if ok else 503)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """Reset every replica's prefix cache and the router's view of them
+        (gateway/cache_reset.py). 502 when some replica could not be reset."""
+        state: GatewayState = request.app.state.gateway
+        if denied := _denied(state, request):
+            return denied
+        results = await reset_prefix_caches(state)
+        failed = sorted(rid for rid, r in results.items() if "error" in r)
+        if failed:
+            message = f"the prefix cache could not be reset on {', '.join(failed)}"
+            body = error_body(message, type="server_error", code="reset_failed")
+            return JSONResponse({**body, "replicas": results}, 502)
+        return JSONResponse({"object": "prefix_cache.reset", "replicas": results})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -10,6 +10,7 @@ scheduler step, repeat; it sleeps on a condition variable when idle.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
@@ -186,6 +187,7 @@ class Engine:
         self._lock = threading.Condition()
         self._inbox: list[RequestState] = []  # guarded by _lock
         self._cancels: list[str] = []  # guarded by _lock
+        self._resets: list[concurrent.futures.Future[int]] = []  # guarded by _lock
         self._num_waiting = 0  # inbox + scheduler queue, guarded by _lock
         self._stopping = False
         self._busy = False  # the engine thread is working on something (under _lock)
@@ -265,6 +267,18 @@ class Engine:
             self._cancels.append(request_id)
             self._lock.notify_all()
 
+    def reset_prefix_cache(self) -> concurrent.futures.Future[int]:
+        """Drop every cached block (the engine thread does it between steps); the future
+        gives how many were freed. Blocks running requests hold leave the index and are
+        freed when those finish, so nothing in flight loses its KV."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping or not self.alive:
+                raise RuntimeError("the engine is not running")
+            self._resets.append(future)
+            self._lock.notify_all()
+        return future
+
     def load(self) -> ReplicaLoad:
         with self._lock:
             snapshot = ReplicaLoad(**{f: getattr(self._load, f) for f in self._load.__slots__})
@@ -306,12 +320,16 @@ class Engine:
         finally:
             with self._lock:
                 self._busy = False
+                for future in self._resets:  # nobody is left to do them
+                    future.set_exception(RuntimeError("the engine stopped"))
+                self._resets.clear()
                 self._lock.notify_all()
 
     def _iterate(self) -> bool:
         with self._lock:
             self._heartbeat = time.monotonic()
-            if not (self._stopping or self._inbox or self._cancels or self.scheduler.has_work):
+            idle = not (self._inbox or self._cancels or self._resets or self.scheduler.has_work)
+            if idle and not self._stopping:
                 self._busy = False
                 self._lock.notify_all()
                 self._lock.wait(IDLE_WAIT_S)
@@ -319,7 +337,11 @@ class Engine:
             stopping = self._stopping
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+            resets, self._resets = self._resets, []
             self._busy = True
+        for future in resets:
+            if future.set_running_or_notify_cancel():
+                future.set_result(self.cache.clear())
         for state in inbox:
             self.scheduler.add(state, self.model.tokenizer)
         for request_id in cancels:

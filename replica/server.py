@@ -144,6 +144,24 @@ def create_app(replica: Replica) -> FastAPI:
             }
         return stats
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Drop every cached prefix block (vLLM's endpoint of the same name; SGLang calls
+        it /flush_cache). ``seq``: the block event sequence number as of the reset (its
+        ``cleared`` event or later), so a gateway can wait until its index has it."""
+        try:
+            freed = await asyncio.wrap_future(replica.engine.reset_prefix_cache())
+        except RuntimeError as exc:
+            raise OpenAIError(
+                f"cannot reset the prefix cache: {exc}",
+                status=503,
+                type="server_error",
+                code="engine_unavailable",
+            ) from exc
+        seq = replica.publisher.stats.seq if replica.publisher is not None else None
+        log.info("prefix cache reset: %d blocks freed", freed)
+        return {"object": "prefix_cache.reset", "freed_blocks": freed, "seq": seq}
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
@@ -327,6 +327,17 @@ class Router:
         if view is not None:
             self.index.clear(replica_id)
             view.last_seq = None
+
+    def forget_cached_state(self, replica_ids: Iterable[str] | None = None) -> None:
+        """After a prefix cache reset: forget what the replicas (default: all) held, and
+        start over on conversations and recent decisions (a conversation's history is
+        gone with the cache, so it is new work again)."""
+        for replica_id in self._replicas if replica_ids is None else replica_ids:
+            if replica_id in self._replicas:
+                self.index.clear(replica_id)
+        self._conversations.clear()
+        self._recent.clear()
+        self._recent_counts.clear()
 
     def apply_hint(self, hint: RoutedHint) -> None:
         """Another gateway's optimistic insert."""

@@ -171,6 +171,45 @@ def test_client_disconnect_frees_the_replica_blocks(cluster: Cluster) -> None:
     assert stats["pinned_blocks"] == 0, stats
 
 
+def test_reset_prefix_cache_resets_every_replica_and_every_gateway_view(
+    cluster: Cluster,
+) -> None:
+    c = gw(cluster)
+    for question in ("reset a", "reset b", "reset c", "reset a"):
+        c.chat.completions.create(model=MODEL, messages=chat(question), max_tokens=1)
+    denied = httpx.post(cluster.keyed_gw.url + "/reset_prefix_cache")
+    assert denied.status_code == 401 and "error" in denied.json()
+
+    reset = httpx.post(cluster.open_gw.url + "/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200, reset.text
+    replicas = reset.json()["replicas"]
+    assert sorted(replicas) == cluster.ids
+    assert all(isinstance(r["seq"], int) and "warning" not in r for r in replicas.values())
+    for server in cluster.replicas:
+        assert httpx.get(server.url + "/cache/stats").json()["cached_blocks"] == 0
+    # The resetting gateway has folded in both replicas' cleared events before answering.
+    stats = httpx.get(cluster.open_gw.url + "/router/stats").json()
+    for rid, view in stats["replicas"].items():
+        assert view["blocks"] == 0 and view["last_seq"] >= replicas[rid]["seq"], stats
+    assert stats["remembered_conversations"] == 0
+    # Another gateway learns it from the events (hints of the requests before the reset
+    # may still reach it afterwards: those stay optimistic, and expire unconfirmed).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        other = httpx.get(cluster.keyed_gw.url + "/router/stats").json()["replicas"]
+        if all(v["last_seq"] >= replicas[rid]["seq"] for rid, v in other.items()):
+            break
+        time.sleep(0.05)  # polling the other gateway's view
+    assert all(v["blocks"] == v["optimistic_blocks"] for v in other.values()), other
+
+    cold = c.chat.completions.create(model=MODEL, messages=chat("reset a"), max_tokens=1)
+    warm = c.chat.completions.create(model=MODEL, messages=chat("reset a"), max_tokens=1)
+    assert cold.usage is not None and cold.usage.prompt_tokens_details is not None
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage is not None and warm.usage.prompt_tokens_details is not None
+    assert (warm.usage.prompt_tokens_details.cached_tokens or 0) > 0
+
+
 def test_a_replica_killed_mid_run_fails_no_plain_request(cluster: Cluster) -> None:
     c = gw(cluster)
     victim = cluster.replicas[1]

@@ -190,6 +190,37 @@ def test_cancel_frees_blocks_and_ends_with_abort(tiny: LoadedModel) -> None:
         assert engine.load().running == 0
 
 
+def test_reset_prefix_cache_mid_request_keeps_its_output_and_frees_everything(
+    tiny: LoadedModel,
+) -> None:
+    prompt = _prompt(8, 70)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with running(tiny) as engine:
+        expected = engine.generate(prompt, params)  # also leaves its blocks cached
+        warm = engine.generate(prompt, params)
+        assert warm.cached_tokens >= 64
+        handle = engine.submit(prompt, params)
+        stream = iter(handle)
+        next(stream)  # it holds its (cached) blocks and is decoding
+        freed = engine.reset_prefix_cache().result(timeout=30)
+        rest = list(stream)
+        assert rest[-1].finish_reason == "length"
+        output = handle.wait(30)
+        # The reset freed only idle blocks; the running request kept its KV.
+        assert output.choices[0].token_ids == expected.choices[0].token_ids
+        assert freed >= 0
+        _assert_idle_and_unpinned(engine)
+        # The request re-registered its blocks on finishing; a second reset drops them.
+        engine.reset_prefix_cache().result(timeout=30)
+        assert engine.cache.stats().cached_blocks == 0
+        assert engine.cache.stats().free_blocks == engine.pool.num_blocks
+        cold = engine.generate(prompt, params)
+        assert cold.cached_tokens == 0
+        assert cold.choices[0].token_ids == expected.choices[0].token_ids
+    with pytest.raises(RuntimeError):
+        engine.reset_prefix_cache()  # stopped
+
+
 def test_stop_aborts_remaining_work(tiny: LoadedModel) -> None:
     engine = Engine(tiny, EngineConfig(num_blocks=64))
     handle = engine.submit(_prompt(7, 20), SamplingParams(max_tokens=10_000, ignore_eos=True))

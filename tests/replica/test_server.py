@@ -248,6 +248,30 @@ def test_registry_events_and_snapshot_in_redis(
     until(snapshot_has_prompt, timeout=20, what="snapshot holding the prompt")
 
 
+def test_reset_prefix_cache_empties_the_cache_and_publishes_cleared(
+    replica: ReplicaProcess, module_redis: RedisServer
+) -> None:
+    client = replica.client()
+    _chat(client, "Before the reset?")
+    assert replica.cache_stats()["cached_blocks"] > 0
+    reset = httpx.post(replica.url + "/reset_prefix_cache", timeout=30)
+    assert reset.status_code == 200, reset.text
+    body = reset.json()
+    assert body["freed_blocks"] > 0 and isinstance(body["seq"], int)
+    stats = replica.cache_stats()
+    assert stats["cached_blocks"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+    rid = _replica_id(replica)
+    redis_client = redis.Redis.from_url(module_redis.url)
+
+    def cleared() -> bool:
+        return any(e.type == "cleared" and e.seq <= body["seq"] for e in _events(redis_client, rid))
+
+    until(cleared, what="the cleared event in the replica's stream")
+    again = _chat(client, "Before the reset?")
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # nothing survived it
+    assert _chat(client, "Before the reset?").usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_streaming_disconnect_frees_blocks(replica: ReplicaProcess) -> None:
     body = {
         "model": MODEL,

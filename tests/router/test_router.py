@@ -219,3 +219,18 @@ def test_remembered_conversations_are_capped() -> None:
     for key in ("a", "b", "c"):
         router.route(keys(7), conversation_key=key)
     assert router.stats()["remembered_conversations"] == 2
+
+
+def test_forget_cached_state_drops_the_replicas_blocks_and_the_conversations() -> None:
+    router, _ = make(2)
+    prompt = keys(1, 2, 3)
+    router.apply_event("r0", BlockEvent(1, "stored", tuple(k[:16] for k in prompt)))
+    router.apply_event("r1", BlockEvent(1, "stored", tuple(k[:16] for k in prompt[:1])))
+    router.route(prompt, conversation_key="chat-1")
+    router.forget_cached_state(["r0"])  # r1's reset failed: what it holds stays known
+    assert router.stats()["replicas"]["r0"]["blocks"] == 0
+    assert router.route(prompt) == ("r1", "prefix_match 1/3 blocks", 1, 3)
+    assert router.stats()["remembered_conversations"] == 0
+    # Sequence numbers carry on: the replica's own cleared event folds in as usual.
+    assert router.apply_event("r0", BlockEvent(2, "cleared"))
+    router.check_invariants()
