@@ -235,8 +235,9 @@ class Engine:
     ) -> RequestHandle:
         params.validate()
         self._check_prompt(len(prompt_token_ids))
-        if any(t < 0 or t >= self._vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self._vocab_size})")
+        vocab = self._vocab_size  # once: the config's attribute lookup is slow
+        if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(request_id, len(prompt_token_ids))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)

@@ -239,6 +239,10 @@ def test_too_long_prompts_are_refused_clearly(tiny: LoadedModel) -> None:
         engine.submit([1] * 200, GREEDY)
     with pytest.raises(ValueError, match="token ids"):
         engine.submit([10**9], GREEDY)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 49152\)"):
+        engine.submit([5, -1, 7], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.submit([5, 49152], GREEDY)
 
 
 def test_waiting_queue_is_bounded(tiny: LoadedModel) -> None:
