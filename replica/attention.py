@@ -200,12 +200,17 @@ def _attend(
 def _gather(pool_layer: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
     """pool_layer: [N, 2, KVH, B, D]; block_tables: [S, NB] -> [2, S, KVH, num_keys, D].
 
-    One copy: indexing the [2, KVH, N, B, D] view gives a contiguous [2, KVH, S*NB, B, D],
-    in which each sequence's blocks already run as one key axis; the rest are views."""
+    ``index_select`` on the block axis copies whole blocks (contiguous rows); one more
+    copy lays them out as contiguous [2, S, KVH, NB*B, D], the layout SDPA reads fastest.
+    (Gathering through a permuted view of the pool copies once, but SDPA is slower on what
+    it gives: gather + attention took 1.4-1.8x as long for 2-4 decoding sequences over
+    1,500 keys, and no less for prefill chunks; a tiny-random decode step went from 13.8
+    to 8.9 ms.)"""
     s, nb = block_tables.shape
-    g = pool_layer.permute(1, 2, 0, 3, 4)[:, :, block_tables.reshape(-1)]  # [2, KVH, S*NB, B, D]
-    two, kvh, _, b, d = g.shape
-    return g.reshape(two, kvh, s, nb * b, d).transpose(1, 2)[:, :, :, :num_keys]
+    g = torch.index_select(pool_layer, 0, block_tables.reshape(-1))  # [S*NB, 2, KVH, B, D]
+    _, two, kvh, b, d = g.shape
+    g = g.view(s, nb, two, kvh, b, d).permute(2, 0, 3, 1, 4, 5).reshape(two, s, kvh, nb * b, d)
+    return g[:, :, :, :num_keys]
 
 
 def register_paged_attention() -> str:
