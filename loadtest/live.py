@@ -1,16 +1,24 @@
-"""The headline live experiment: a real local cluster per policy and workload.
+"""The headline live experiment: one real local cluster per policy, every workload
+replayed on each, several times, interleaved.
 
 For each workload the KV cache of every replica is sized to hold about a third of the
 workload's distinct prefix blocks (counted with the real tokenizer and chat template, the
 assistant turns filled with text of the requested length), so that where a request lands
-decides whether its prefix is cached. Then, for each policy and workload, a fresh
-``prefixgate up`` cluster replays the workload; its per-replica ``/cache/stats`` are read
-around the replay; the cluster is stopped. The hit rate is compared with the simulated oracle's
-(one replica with N× capacity) at the same fraction of the working set.
+decides whether its prefix is cached.
+
+One ``prefixgate up`` cluster per policy starts at once (they idle while another
+replays). Each cell — a policy on a workload — begins with ``POST /reset_prefix_cache`` on
+its gateway, which empties every replica's cache and the router's view of them, then
+replays the workload; its per-replica ``/cache/stats`` are read around the replay. Every
+workload is replayed ``repeats`` times per policy, the policies in a rotated order each
+round, so that a slower minute on this shared machine falls on every policy alike; the
+figures pool the repeats (all requests for hit rate and TTFT percentiles, the median
+repeat for total time and throughput). The hit rate is compared with the simulated
+oracle's (one replica with N× capacity) at the same fraction of the working set.
 
     prefixgate bench live --replicas 4 --model tiny-random \\
         --policies cache_aware,round_robin,consistent_hash,least_loaded \\
-        --workloads agents,multi_turn_chat --out-dir docs/bench
+        --workloads agents,multi_turn_chat --repeats 3 --out-dir docs/bench
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import json
 import math
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -28,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from loadtest.replay import ReplayConfig, run_replay
+from loadtest.replay import ReplayConfig, RequestRecord, run_replay, summarize
 from prefixgate.procs import ChildDied, free_port, stop_process, wait_http_ok
 from router.protocol import DEFAULT_BLOCK_SIZE, KeySpace
 
@@ -154,19 +163,44 @@ class Cluster:
                 stats[name] = json.loads(resp.read())
         return stats
 
+    def reset_prefix_cache(self) -> None:
+        """Empty every replica's cache and the router's view (the gateway's endpoint)."""
+        gateway = self.base_url.removesuffix("/v1")
+        request = urllib.request.Request(f"{gateway}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=60) as resp:  # raises on 4xx/5xx
+            answer = json.loads(resp.read())
+        left = {n: s["cached_blocks"] for n, s in self.cache_stats().items() if s["cached_blocks"]}
+        if left or len(answer["replicas"]) != len(self.replica_urls()):
+            raise RuntimeError(f"prefix cache reset incomplete: {answer}, still cached {left}")
+
+    def warm_up(self, model: str) -> None:
+        """One short request on every replica: a fresh process's first forward pays
+        one-time costs no cell should be charged for (the next reset drops its blocks)."""
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        ).encode()
+        for url in self.replica_urls().values():
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions",
+                data=body,
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                resp.read()
+
     def stop(self) -> None:
         stop_process(self.proc, grace_s=30.0)  # `up` stops its own children on SIGTERM
 
 
-def start_cluster(
+def launch_cluster(
     n_replicas: int,
     model: str,
     policy: str,
     num_blocks: int,
     run_dir: Path,
-    timeout_s: float,
     router_options: Sequence[str] = (),
 ) -> Cluster:
+    """Start ``prefixgate up`` (returns at once; ``wait_ready`` waits for it)."""
     port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "ready").unlink(missing_ok=True)  # a previous run's, not this cluster's
@@ -183,14 +217,13 @@ def start_cluster(
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    gateway = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_file(run_dir / "ready", proc, timeout_s)
-        wait_http_ok(f"{gateway}/ready", 30, procs=[proc])
-    except BaseException:
-        stop_process(proc, grace_s=30.0)
-        raise
-    return Cluster(proc, run_dir, f"{gateway}/v1")
+    return Cluster(proc, run_dir, f"http://127.0.0.1:{port}/v1")
+
+
+def wait_ready(cluster: Cluster, timeout_s: float) -> None:
+    wait_for_file(cluster.run_dir / "ready", cluster.proc, timeout_s)
+    gateway = cluster.base_url.removesuffix("/v1")
+    wait_http_ok(f"{gateway}/ready", 30, procs=[cluster.proc])
 
 
 def wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -252,6 +285,7 @@ class LiveConfig:
     ready_timeout_s: float
     run_root: Path  # the clusters' logs; not results
     router_options: list[str]  # NAME=VALUE router thresholds for the gateways
+    repeats: int = 3  # replays of every workload per policy, pooled
 
 
 class Workload(NamedTuple):
@@ -275,36 +309,53 @@ def stats_delta(
 COUNTERS = ("queries", "hits", "misses", "hit_tokens", "query_tokens", "evictions", "expirations")
 
 
-def run_policy(cfg: LiveConfig, policy: str, workloads: Sequence[Workload]) -> list[dict[str, Any]]:
-    """``policy`` on each workload, each on a fresh cluster: nothing a workload left in
-    the caches or in the router's state (its index, its recent decisions) colours the
-    next one's numbers."""
-    num_blocks = max(w.sizing.num_blocks for w in workloads)
-    results = []
-    for w in workloads:
-        run_dir = cfg.run_root / policy / w.name
+def start_clusters(cfg: LiveConfig, num_blocks: int) -> dict[str, Cluster]:
+    """One cluster per policy, started together (their replicas load in parallel)."""
+    clusters: dict[str, Cluster] = {}
+    try:
+        for policy in cfg.policies:
+            clusters[policy] = launch_cluster(
+                cfg.replicas,
+                cfg.model,
+                policy,
+                num_blocks,
+                cfg.run_root / policy,
+                cfg.router_options,
+            )
         print(
-            f"[live] {policy} × {w.name}: starting {cfg.replicas} replicas, "
+            f"[live] starting {len(clusters)} clusters of {cfg.replicas} replicas, "
             f"{num_blocks} blocks each…",
             flush=True,
         )
-        cluster = start_cluster(
-            cfg.replicas,
-            cfg.model,
-            policy,
-            num_blocks,
-            run_dir,
-            cfg.ready_timeout_s,
-            cfg.router_options,
-        )
-        try:
-            results.append(replay_on(cluster, cfg, policy, w))
-        finally:
+        for cluster in clusters.values():
+            wait_ready(cluster, cfg.ready_timeout_s)
+            cluster.warm_up(cfg.model)
+    except BaseException:
+        for cluster in clusters.values():
             cluster.stop()
+        raise
+    return clusters
+
+
+def run_cells(
+    cfg: LiveConfig, clusters: dict[str, Cluster], workloads: Sequence[Workload]
+) -> list[dict[str, Any]]:
+    """Every (repeat, workload, policy) cell; each policy's position in the order moves
+    by one every repeat."""
+    results = []
+    for repeat in range(cfg.repeats):
+        for w in workloads:
+            shift = repeat % len(cfg.policies)
+            for policy in cfg.policies[shift:] + cfg.policies[:shift]:
+                cluster = clusters[policy]
+                cluster.reset_prefix_cache()
+                results.append(replay_on(cluster, cfg, policy, w, repeat))
     return results
 
 
-def replay_on(cluster: Cluster, cfg: LiveConfig, policy: str, w: Workload) -> dict[str, Any]:
+def replay_on(
+    cluster: Cluster, cfg: LiveConfig, policy: str, w: Workload, repeat: int = 0
+) -> dict[str, Any]:
     before = cluster.cache_stats()
     replay_config = ReplayConfig(
         base_url=cluster.base_url,
@@ -312,6 +363,7 @@ def replay_on(cluster: Cluster, cfg: LiveConfig, policy: str, w: Workload) -> di
         concurrency=cfg.concurrency,
         ignore_eos=True,  # every policy generates the same number of tokens
         seed=cfg.seed,
+        progress=False,
     )
     result = run_replay(w.sessions, replay_config)
     names = cluster.names_by_address()
@@ -319,17 +371,15 @@ def replay_on(cluster: Cluster, cfg: LiveConfig, policy: str, w: Workload) -> di
         if record.replica is not None:
             record.replica = names.get(record.replica, record.replica)
     stats = stats_delta(cluster.cache_stats(), before)
-    data = result.to_json(
-        {"experiment": experiment_name(w.name, cfg), "policy": policy, "workload": w.name}
-    )
+    meta = {"experiment": experiment_name(w.name, cfg), "policy": policy, "workload": w.name}
+    data = result.to_json({**meta, "repeat": repeat})
     data["cache_stats"] = stats
     data["cluster_hit_rate"] = cluster_hit_rate(stats)
     s = data["summary"]
     print(
-        f"[live] {w.name} × {policy}: hit {s['hit_rate']}, cluster hit "
-        f"{data['cluster_hit_rate']}, TTFT p50 {s['ttft_p50_s']}, "
-        f"total {s['total_time_s']:.1f} s, per replica {s['requests_per_replica']}, "
-        f"errors {s['errors']}",
+        f"[live] #{repeat} {w.name} × {policy}: hit {s['hit_rate']:.3f}, TTFT p50 "
+        f"{1000 * (s['ttft_p50_s'] or 0):.0f} ms, total {s['total_time_s']:.1f} s, "
+        f"per replica {sorted(s['requests_per_replica'].values())}, errors {s['errors']}",
         flush=True,
     )
     return data
@@ -339,12 +389,83 @@ def experiment_name(workload: str, cfg: LiveConfig) -> str:
     return f"live: {workload}, {cfg.replicas} × {cfg.model}"
 
 
-def check_targets(runs: list[dict[str, Any]], oracle: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets per experiment, as facts: met or not, with the numbers."""
+def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures from its repeats: hit rate, TTFT and ITL percentiles and the
+    per-replica counts over all their requests; total time, throughput and max/mean
+    load of the median repeat (with the range beside them)."""
+    records = [RequestRecord(**r) for run in repeats for r in run["requests"]]
+    summaries = [run["summary"] for run in repeats]
+    totals = [s["total_time_s"] for s in summaries]
+    summary = summarize(records, statistics.median(totals), sum(s["sessions"] for s in summaries))
+    loads = [s["load_max_over_mean"] for s in summaries if s["load_max_over_mean"] is not None]
+    summary.update(
+        repeats=len(repeats),
+        total_time_s_range=[min(totals), max(totals)],
+        output_tokens_per_s=statistics.median(s["output_tokens_per_s"] or 0.0 for s in summaries),
+        requests_per_s=statistics.median(s["requests_per_s"] or 0.0 for s in summaries),
+        load_max_over_mean=statistics.median(loads) if loads else None,
+        load_max_over_mean_worst=max(loads) if loads else None,
+    )
+    stats: dict[str, dict[str, Any]] = {}
+    for run in repeats:
+        for name, replica_stats in run["cache_stats"].items():
+            into = stats.setdefault(name, dict.fromkeys(COUNTERS, 0))
+            for k in COUNTERS:
+                into[k] += int(replica_stats.get(k, 0))
+    requests = [
+        {**r, "repeat": run["meta"].get("repeat", i)}
+        for i, run in enumerate(repeats)
+        for r in run["requests"]
+    ]
+    meta = {k: v for k, v in repeats[0]["meta"].items() if k != "repeat"}
+    return {
+        "kind": "replay",
+        "meta": meta,
+        "config": repeats[0]["config"],
+        "summary": summary,
+        "requests": requests,
+        "cache_stats": stats,
+        "cluster_hit_rate": cluster_hit_rate(stats),
+    }
+
+
+def pool_cells(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cells grouped by experiment and policy (first-seen order), each group pooled."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for cell in cells:
+        key = (cell["meta"]["experiment"], cell["meta"]["policy"])
+        groups.setdefault(key, []).append(cell)
+    return [pool_repeats(group) for group in groups.values()]
+
+
+def _beats(ca: dict[str, Any], others: Sequence[dict[str, Any]], field: str) -> bool:
+    """cache_aware's figure is below every other policy's (a missing figure loses)."""
+    return ca[field] is not None and all(o[field] is None or ca[field] < o[field] for o in others)
+
+
+def _wins(rounds: Sequence[dict[str, dict[str, Any]]], field: str) -> str:
+    """In how many repeats (policy → summary each) cache_aware's ``field`` was lowest."""
+    mine = [r for r in rounds if "cache_aware" in r]
+    wins = sum(
+        _beats(r["cache_aware"], [s for p, s in r.items() if p != "cache_aware"], field)
+        for r in mine
+    )
+    return f"{wins}/{len(mine)}"
+
+
+def check_targets(
+    runs: list[dict[str, Any]], oracle: dict[str, Any], cells: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """The issue's targets per experiment, as facts: met or not, with the numbers. With
+    ``cells`` (the single repeats), also in how many repeats cache_aware was fastest."""
     out: dict[str, Any] = {}
     by_exp: dict[str, dict[str, dict[str, Any]]] = {}
     for run in runs:
         by_exp.setdefault(run["meta"]["experiment"], {})[run["meta"]["policy"]] = run["summary"]
+    per_repeat: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for cell in cells:
+        key = (cell["meta"]["experiment"], cell["meta"].get("repeat", 0))
+        per_repeat.setdefault(key, {})[cell["meta"]["policy"]] = cell["summary"]
     for exp, policies in by_exp.items():
         ca = policies.get("cache_aware")
         if ca is None:
@@ -352,18 +473,19 @@ def check_targets(runs: list[dict[str, Any]], oracle: dict[str, Any]) -> dict[st
         others = [s for p, s in policies.items() if p != "cache_aware"]
         oracle_hit = (oracle.get(exp) or {}).get("hit_rate")
         ratio = ca["hit_rate"] / oracle_hit if oracle_hit and ca["hit_rate"] is not None else None
-        out[exp] = {
+        targets: dict[str, Any] = {
             "hit_rate_over_oracle": ratio,
             "hit_rate_target_met": ratio is not None and ratio >= 0.95,
-            "ttft_p50_best": all(
-                ca["ttft_p50_s"] is not None
-                and (o["ttft_p50_s"] is None or ca["ttft_p50_s"] < o["ttft_p50_s"])
-                for o in others
-            ),
-            "total_time_best": all(ca["total_time_s"] < o["total_time_s"] for o in others),
+            "ttft_p50_best": _beats(ca, others, "ttft_p50_s"),
+            "total_time_best": _beats(ca, others, "total_time_s"),
             "load_max_over_mean": ca["load_max_over_mean"],
             "load_target_met": (ca["load_max_over_mean"] or 99.0) <= 1.15,
         }
+        rounds = [ps for (e, _), ps in sorted(per_repeat.items()) if e == exp]
+        if rounds:
+            targets["ttft_p50_best_in_repeats"] = _wins(rounds, "ttft_p50_s")
+            targets["total_time_best_in_repeats"] = _wins(rounds, "total_time_s")
+        out[exp] = targets
     return out
 
 
@@ -392,7 +514,8 @@ def run_live(cfg: LiveConfig) -> Path:
         n_requests = sum(len(s.turns) for s in w.sessions)
         notes[exp] = (
             f"{len(w.sessions)} sessions, {n_requests} requests, closed loop with "
-            f"{cfg.concurrency} concurrent sessions; {num_blocks} KV blocks per replica = "
+            f"{cfg.concurrency} concurrent sessions, replayed {cfg.repeats}× per policy "
+            f"(pooled); {num_blocks} KV blocks per replica = "
             f"{num_blocks / w.sizing.distinct_blocks:.2f} of the workload's "
             f"{w.sizing.distinct_blocks} distinct prefix blocks."
         )
@@ -400,18 +523,23 @@ def run_live(cfg: LiveConfig) -> Path:
         oracle[exp] = simulated_oracle(
             w.sessions, w.prompts, cfg.replicas, num_blocks, cfg.concurrency
         )
-    runs: list[dict[str, Any]] = []
-    for policy in cfg.policies:
-        runs.extend(run_policy(cfg, policy, workloads))
+    clusters = start_clusters(cfg, num_blocks)
+    try:
+        cells = run_cells(cfg, clusters, workloads)
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+    runs = pool_cells(cells)
     elapsed = time.monotonic() - started
     data = {
         "kind": "live",
         "config": {**asdict(cfg), "out_dir": str(cfg.out_dir), "run_root": str(cfg.run_root)},
         "elapsed_s": elapsed,
         "runs": runs,
+        "repeats": [{k: c[k] for k in ("meta", "summary", "cluster_hit_rate")} for c in cells],
         "oracle": oracle,
         "notes": notes,
-        "targets": check_targets(runs, oracle),
+        "targets": check_targets(runs, oracle, cells),
     }
     path = cfg.out_dir / "live.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -434,6 +562,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="each replica's KV cache as a fraction of the distinct prefix blocks",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="replays of every workload per policy, interleaved and pooled",
+    )
     p.add_argument("--run-root", type=Path, default=Path("runs/live"), help="cluster logs")
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     p.add_argument(
@@ -444,6 +578,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a router threshold for the clusters' gateways (repeatable)",
     )
     p.add_argument("--no-report", action="store_true", help="skip tables and plots")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(args: argparse.Namespace) -> int:
@@ -459,6 +600,7 @@ def main(args: argparse.Namespace) -> int:
         ready_timeout_s=args.ready_timeout_s,
         run_root=args.run_root,
         router_options=args.router_option,
+        repeats=args.repeats,
     )
     path = run_live(cfg)
     if not args.no_report:

@@ -1,0 +1,81 @@
+"""The live experiment's bookkeeping: repeats pooled into one run, targets checked on the
+pooled figures and counted per repeat. (The clusters themselves are exercised by
+tests/deploy/test_up.py and the gateway and replica suites.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from loadtest.live import check_targets, pool_cells
+from loadtest.replay import ReplayConfig, ReplayResult, RequestRecord
+
+EXP = "live: agents"
+
+
+def _cell(
+    policy: str, repeat: int, ttft_ms: float, total_s: float, replicas: list[str]
+) -> dict[str, Any]:
+    records = [
+        RequestRecord(
+            session_id=f"s{i}",
+            turn=0,
+            start_s=0.01 * i,
+            ttft_s=(ttft_ms + i) / 1000,
+            e2e_s=(ttft_ms + i + 20) / 1000,
+            prompt_tokens=100,
+            cached_tokens=50 + 10 * repeat,
+            output_tokens=4,
+            replica=replicas[i % len(replicas)],
+        )
+        for i in range(6)
+    ]
+    config = ReplayConfig(base_url="http://127.0.0.1:1/v1", model="m", concurrency=2)
+    meta = {"experiment": EXP, "policy": policy, "workload": "agents", "repeat": repeat}
+    data = ReplayResult(config, records, total_time_s=total_s, n_sessions=6).to_json(meta)
+    data["cache_stats"] = {r: {"hit_tokens": 10, "query_tokens": 40} for r in replicas}
+    return data
+
+
+def test_repeats_pool_into_one_run_per_policy() -> None:
+    cells = [
+        _cell("cache_aware", 0, 10, 2.0, ["r0", "r1"]),
+        _cell("round_robin", 0, 30, 3.0, ["r0", "r1", "r2"]),
+        _cell("cache_aware", 1, 20, 1.0, ["r0", "r1", "r2"]),
+        _cell("round_robin", 1, 5, 4.0, ["r0", "r1", "r2"]),
+        _cell("cache_aware", 2, 30, 9.0, ["r0", "r1", "r2"]),
+        _cell("round_robin", 2, 40, 5.0, ["r0", "r1", "r2"]),
+    ]
+    ca, rr = pool_cells(cells)
+    assert (ca["meta"]["policy"], rr["meta"]["policy"]) == ("cache_aware", "round_robin")
+    assert "repeat" not in ca["meta"]
+    s = ca["summary"]
+    assert s["repeats"] == 3 and s["requests"] == 18 and s["sessions"] == 18
+    assert s["hit_rate"] == pytest.approx((300 + 360 + 420) / 1800)  # every request
+    assert s["total_time_s"] == 2.0 and s["total_time_s_range"] == [1.0, 9.0]  # the median
+    assert s["output_tokens_per_s"] == pytest.approx(24 / 2.0)
+    assert s["requests_per_replica"] == {"r0": 7, "r1": 7, "r2": 4}
+    assert s["load_max_over_mean"] == 1.0 and s["load_max_over_mean_worst"] == 1.0
+    # The TTFT median is over all 18 requests, not a median of medians.
+    assert s["ttft_p50_s"] == pytest.approx(0.0225)
+    assert sorted({r["repeat"] for r in ca["requests"]}) == [0, 1, 2]
+    assert ca["cache_stats"]["r0"]["hit_tokens"] == 30
+    assert ca["cluster_hit_rate"] == pytest.approx(0.25)
+
+    targets = check_targets([ca, rr], {EXP: {"hit_rate": 0.7}}, cells)[EXP]
+    assert targets["hit_rate_over_oracle"] == pytest.approx(0.6 / 0.7)
+    assert not targets["hit_rate_target_met"]
+    assert targets["ttft_p50_best"]  # pooled: 22.5 ms against 32.5 ms
+    assert targets["total_time_best"]  # medians: 2.0 s against 4.0 s
+    assert targets["ttft_p50_best_in_repeats"] == "2/3"  # repeat 1: 22.5 against 7.5
+    assert targets["total_time_best_in_repeats"] == "2/3"  # repeat 2: 9.0 against 5.0
+
+
+def test_a_missing_figure_never_counts_as_best() -> None:
+    ca = _cell("cache_aware", 0, 10, 2.0, ["r0"])
+    other = _cell("round_robin", 0, 30, 3.0, ["r0"])
+    ca["summary"]["ttft_p50_s"] = None  # every request failed before its first token
+    targets = check_targets([ca, other], {})[EXP]
+    assert not targets["ttft_p50_best"] and targets["total_time_best"]
+    assert targets["hit_rate_over_oracle"] is None and "ttft_p50_best_in_repeats" not in targets
