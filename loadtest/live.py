@@ -392,7 +392,7 @@ def experiment_name(workload: str, cfg: LiveConfig) -> str:
 def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures from its repeats: hit rate, TTFT and ITL percentiles and the
     per-replica counts over all their requests; total time, throughput and max/mean
-    load of the median repeat (with the range beside them)."""
+    load and busy replicas of the median repeat (with the range beside them)."""
     records = [RequestRecord(**r) for run in repeats for r in run["requests"]]
     summaries = [run["summary"] for run in repeats]
     totals = [s["total_time_s"] for s in summaries]
@@ -405,6 +405,7 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         requests_per_s=statistics.median(s["requests_per_s"] or 0.0 for s in summaries),
         load_max_over_mean=statistics.median(loads) if loads else None,
         load_max_over_mean_worst=max(loads) if loads else None,
+        busy_replicas_mean=_median_of(summaries, "busy_replicas_mean"),
     )
     stats: dict[str, dict[str, Any]] = {}
     for run in repeats:
@@ -427,6 +428,11 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "cache_stats": stats,
         "cluster_hit_rate": cluster_hit_rate(stats),
     }
+
+
+def _median_of(summaries: Sequence[dict[str, Any]], field: str) -> float | None:
+    values = [s[field] for s in summaries if s.get(field) is not None]
+    return statistics.median(values) if values else None
 
 
 def pool_cells(cells: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

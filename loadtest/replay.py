@@ -130,6 +130,30 @@ def load_balance(counts: dict[str, int]) -> float | None:
     return max(counts.values()) / mean if mean else None
 
 
+def busy_replicas(records: Sequence[RequestRecord], total_time_s: float) -> float | None:
+    """How many replicas were serving at least one request, averaged over the run (from
+    the requests' start and end times). Where replicas share a machine's cores, as in
+    the local live runs, each busy one slows the others."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        if r.replica is not None and r.e2e_s is not None:
+            spans.setdefault(r.replica, []).append((r.start_s, r.start_s + r.e2e_s))
+    if not spans or total_time_s <= 0:
+        return None
+    busy = 0.0
+    for intervals in spans.values():
+        intervals.sort()
+        start, end = intervals[0]
+        for s, e in intervals[1:]:
+            if s > end:
+                busy += end - start
+                start, end = s, e
+            else:
+                end = max(end, e)
+        busy += end - start
+    return busy / total_time_s
+
+
 def summarize(
     records: Sequence[RequestRecord], total_time_s: float, n_sessions: int
 ) -> dict[str, Any]:
@@ -162,6 +186,7 @@ def summarize(
         "requests_per_s": len(ok) / total_time_s if total_time_s > 0 else None,
         "requests_per_replica": dict(sorted(per_replica.items())),
         "load_max_over_mean": load_balance(dict(per_replica)),
+        "busy_replicas_mean": busy_replicas(ok, total_time_s),
         "error_counts": dict(errors.most_common()),
     }
 

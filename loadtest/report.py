@@ -123,6 +123,7 @@ COLUMNS: list[tuple[str, str, float, int]] = [
     ("total time (s)", "total_time_s", 1.0, 2),
     ("requests", "requests", 1.0, 0),
     ("max/mean load", "load_max_over_mean", 1.0, 2),
+    ("busy replicas", "busy_replicas_mean", 1.0, 2),
     ("errors", "errors", 1.0, 0),
 ]
 

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from loadtest.replay import ReplayConfig, ReplayResult, RequestRecord, percentile
+from loadtest.replay import (
+    ReplayConfig,
+    ReplayResult,
+    RequestRecord,
+    busy_replicas,
+    percentile,
+)
 from loadtest.report import ORACLE, load, markdown_table, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -51,6 +57,17 @@ def test_summary_of_a_replay_is_consistent() -> None:
     assert s["requests_per_replica"] == {"r0": 4, "r1": 4}
     assert s["load_max_over_mean"] == pytest.approx(1.0)
     assert s["ttft_p50_s"] == pytest.approx(0.0135)
+    # r0 serves from 0 to 96 ms, r1 from 10 to 107 ms, of a 0.5 s run.
+    assert s["busy_replicas_mean"] == pytest.approx((0.096 + 0.097) / 0.5)
+
+
+def test_busy_replicas_counts_each_replica_once_and_skips_its_gaps() -> None:
+    def rec(start: float, e2e: float, replica: str | None) -> RequestRecord:
+        return RequestRecord("s", 0, start, e2e_s=e2e, replica=replica)
+
+    records = [rec(0.0, 1.0, "a"), rec(0.5, 1.0, "a"), rec(3.0, 1.0, "a"), rec(0.0, 4.0, "b")]
+    assert busy_replicas(records, 4.0) == pytest.approx((1.5 + 1.0 + 4.0) / 4.0)
+    assert busy_replicas([rec(0.0, 1.0, None)], 4.0) is None
 
 
 def test_report_writes_tables_and_pngs(tmp_path: Path) -> None:
