@@ -201,10 +201,16 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
         """Reset every replica's prefix cache and the router's view of them
-        (gateway/cache_reset.py). 502 when some replica could not be reset."""
+        (gateway/cache_reset.py). Keyed mode: admin keys only. 502 when some replica
+        could not be reset."""
         state: GatewayState = request.app.state.gateway
-        if denied := _denied(state, request):
-            return denied
+        try:
+            tenant = state.auth.authenticate(request.headers.get("authorization"))
+        except OpenAIError as err:
+            return JSONResponse(err.body(), err.status, headers=err.headers)
+        if not (state.auth.open or tenant.admin):
+            message = "Resetting the prefix cache affects every tenant: it needs an admin key."
+            return JSONResponse(error_body(message, type="permission_error", code="forbidden"), 403)
         results = await reset_prefix_caches(state)
         failed = sorted(rid for rid, r in results.items() if "error" in r)
         if failed:

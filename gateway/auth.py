@@ -13,6 +13,10 @@ The file is JSON or YAML, a mapping from key to tenant settings::
     sk-team-a: {tenant: team-a}
     sk-team-b: {tenant: team-b, cache_salt: b-2024}
     sk-docs:   {tenant: docs, shared_namespace: true}
+    sk-ops:    {tenant: ops, admin: true}
+
+``admin: true`` lets a key call the gateway's operations that affect every tenant
+(``POST /reset_prefix_cache``); in open mode anyone may.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Tenant:
     name: str
     cache_salt: str
     shared_namespace: bool = False
+    admin: bool = False  # may call operations that affect every tenant
 
     @property
     def salt(self) -> str:
@@ -59,9 +64,12 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
         name = spec["tenant"]
         salt = spec.get("cache_salt") or derived_salt(name)
         shared = spec.get("shared_namespace", False)
-        if not isinstance(salt, str) or not isinstance(shared, bool):
-            raise ValueError(f"API key {key[:6]}…: cache_salt is a string, shared_namespace a bool")
-        tenants[key] = Tenant(name, salt, shared)
+        admin = spec.get("admin", False)
+        if not isinstance(salt, str) or not isinstance(shared, bool) or not isinstance(admin, bool):
+            raise ValueError(
+                f"API key {key[:6]}…: cache_salt is a string, shared_namespace and admin bools"
+            )
+        tenants[key] = Tenant(name, salt, shared, admin)
     return tenants
 
 

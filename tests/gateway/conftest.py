@@ -78,6 +78,7 @@ def write_api_keys(path: Path) -> Path:
         "sk-alpha": {"tenant": "alpha"},
         "sk-beta": {"tenant": "beta"},
         "sk-shared": {"tenant": "docs", "shared_namespace": True},
+        "sk-ops": {"tenant": "ops", "admin": True},
     }
     path.write_text(json.dumps(keys))
     return path

@@ -177,8 +177,11 @@ def test_reset_prefix_cache_resets_every_replica_and_every_gateway_view(
     c = gw(cluster)
     for question in ("reset a", "reset b", "reset c", "reset a"):
         c.chat.completions.create(model=MODEL, messages=chat(question), max_tokens=1)
-    denied = httpx.post(cluster.keyed_gw.url + "/reset_prefix_cache")
+    keyed = cluster.keyed_gw.url + "/reset_prefix_cache"
+    denied = httpx.post(keyed)
     assert denied.status_code == 401 and "error" in denied.json()
+    forbidden = httpx.post(keyed, headers={"authorization": "Bearer sk-alpha"})
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "forbidden"
 
     reset = httpx.post(cluster.open_gw.url + "/reset_prefix_cache", timeout=60)
     assert reset.status_code == 200, reset.text
@@ -201,6 +204,9 @@ def test_reset_prefix_cache_resets_every_replica_and_every_gateway_view(
             break
         time.sleep(0.05)  # polling the other gateway's view
     assert all(v["blocks"] == v["optimistic_blocks"] for v in other.values()), other
+
+    admin = httpx.post(keyed, headers={"authorization": "Bearer sk-ops"}, timeout=60)
+    assert admin.status_code == 200, admin.text
 
     cold = c.chat.completions.create(model=MODEL, messages=chat("reset a"), max_tokens=1)
     warm = c.chat.completions.create(model=MODEL, messages=chat("reset a"), max_tokens=1)

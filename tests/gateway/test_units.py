@@ -25,6 +25,10 @@ def test_api_keys_json_and_yaml(tmp_path: Path) -> None:
     assert yaml_keys["sk-2"].salt == "s2" and yaml_keys["sk-3"].salt == ""
     with pytest.raises(ValueError):
         parse_api_keys({"sk-4": {"no_tenant": 1}})
+    keys = parse_api_keys({"sk-5": {"tenant": "ops", "admin": True}, "sk-6": "plain"})
+    assert keys["sk-5"].admin and not keys["sk-6"].admin
+    with pytest.raises(ValueError, match="admin"):
+        parse_api_keys({"sk-7": {"tenant": "x", "admin": "yes"}})
 
 
 def test_authenticator() -> None:
