@@ -1,8 +1,8 @@
 """Engine figures: TTFT cold vs warm vs the DynamicCache floor, decode throughput at
-concurrency 1/4/8, peak RSS with a 1 GiB pool.
+concurrency 1/4/8, a decode step over long contexts, peak RSS with a 1 GiB pool.
 
     .venv/bin/python benchmarks/engine_bench.py            # everything
-    .venv/bin/python benchmarks/engine_bench.py --only ttft|decode|per-token|rss
+    .venv/bin/python benchmarks/engine_bench.py --only ttft|decode|long-decode|per-token|rss
 
 Uses torch's default thread count. Numbers on a shared CPU machine are noisy: each figure
 is the median of ``--repeats`` runs.
@@ -95,6 +95,27 @@ def bench_decode(model_name: str, max_tokens: int, repeats: int) -> None:
     engine.stop()
 
 
+def bench_long_decode(model_name: str, context: int, repeats: int) -> None:
+    """Decode ms per step with 2 sequences over ``context``-token prompts: where the
+    paged attention's gather of every block per layer shows."""
+    model = load_model(model_name, dtype="float32")
+    rng = random.Random(2)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    engine = Engine(model, EngineConfig(kv_cache_mb=256))
+    engine.start()
+    engine.generate(_tokens(rng, 32), params)  # warm-up
+    steps = []
+    for _ in range(repeats):
+        handles = [engine.submit(_tokens(rng, context), params) for _ in range(2)]
+        outs = [h.wait() for h in handles]
+        steps += [o.timings.decode_s / (o.completion_tokens - 1) for o in outs]
+    engine.stop()
+    print(
+        f"decode step {model_name}, 2 sequences over {context}-token prompts: "
+        f"{1000 * statistics.median(steps):.1f} ms"
+    )
+
+
 def bench_per_token(model_name: str, max_tokens: int, repeats: int) -> None:
     """Decode ms/token at concurrency 1: the engine vs plain transformers (sdpa +
     DynamicCache) on the same prompt, alternating in one process so both see the same load."""
@@ -145,7 +166,7 @@ def bench_rss(model_name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=["ttft", "decode", "per-token", "rss"])
+    parser.add_argument("--only", choices=["ttft", "decode", "long-decode", "per-token", "rss"])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -156,6 +177,8 @@ def main() -> None:
     if args.only in (None, "decode"):
         for name in ("tiny-random", args.model):
             bench_decode(name, args.decode_tokens, args.repeats)
+    if args.only in (None, "long-decode"):
+        bench_long_decode("tiny-random", 1500, args.repeats)
     if args.only in (None, "per-token"):
         bench_per_token(args.model, 24, args.repeats)
     if args.only in (None, "rss"):
