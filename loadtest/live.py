@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -162,6 +163,22 @@ class Cluster:
             with urllib.request.urlopen(f"{url}/cache/stats", timeout=10) as resp:
                 stats[name] = json.loads(resp.read())
         return stats
+
+    def replica_cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the replica processes have used so far, from
+        /proc (None where there is none): what a replay costs the cores they share."""
+        total = 0.0
+        for line in (self.run_dir / "pids").read_text().splitlines():
+            name, pid, _port = line.split()
+            if not name.startswith("replica"):
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return None
+            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is first
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
 
     def reset_prefix_cache(self) -> None:
         """Empty every replica's cache and the router's view (the gateway's endpoint)."""
@@ -357,6 +374,7 @@ def replay_on(
     cluster: Cluster, cfg: LiveConfig, policy: str, w: Workload, repeat: int = 0
 ) -> dict[str, Any]:
     before = cluster.cache_stats()
+    cpu_before = cluster.replica_cpu_seconds()
     replay_config = ReplayConfig(
         base_url=cluster.base_url,
         model=cfg.model,
@@ -370,12 +388,15 @@ def replay_on(
     for record in result.requests:
         if record.replica is not None:
             record.replica = names.get(record.replica, record.replica)
+    cpu_after = cluster.replica_cpu_seconds()
     stats = stats_delta(cluster.cache_stats(), before)
     meta = {"experiment": experiment_name(w.name, cfg), "policy": policy, "workload": w.name}
     data = result.to_json({**meta, "repeat": repeat})
     data["cache_stats"] = stats
     data["cluster_hit_rate"] = cluster_hit_rate(stats)
     s = data["summary"]
+    if cpu_before is not None and cpu_after is not None:
+        s["replica_cpu_s"] = cpu_after - cpu_before
     print(
         f"[live] #{repeat} {w.name} × {policy}: hit {s['hit_rate']:.3f}, TTFT p50 "
         f"{1000 * (s['ttft_p50_s'] or 0):.0f} ms, total {s['total_time_s']:.1f} s, "
@@ -392,7 +413,8 @@ def experiment_name(workload: str, cfg: LiveConfig) -> str:
 def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures from its repeats: hit rate, TTFT and ITL percentiles and the
     per-replica counts over all their requests; total time, throughput and max/mean
-    load and busy replicas of the median repeat (with the range beside them)."""
+    load, busy replicas and replica CPU of the median repeat (with the range beside
+    them)."""
     records = [RequestRecord(**r) for run in repeats for r in run["requests"]]
     summaries = [run["summary"] for run in repeats]
     totals = [s["total_time_s"] for s in summaries]
@@ -406,6 +428,7 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         load_max_over_mean=statistics.median(loads) if loads else None,
         load_max_over_mean_worst=max(loads) if loads else None,
         busy_replicas_mean=_median_of(summaries, "busy_replicas_mean"),
+        replica_cpu_s=_median_of(summaries, "replica_cpu_s"),
     )
     stats: dict[str, dict[str, Any]] = {}
     for run in repeats:

@@ -125,6 +125,7 @@ COLUMNS: list[tuple[str, str, float, int]] = [
     ("requests", "requests", 1.0, 0),
     ("max/mean load", "load_max_over_mean", 1.0, 2),
     ("busy replicas", "busy_replicas_mean", 1.0, 2),
+    ("replica CPU (s)", "replica_cpu_s", 1.0, 1),
     ("errors", "errors", 1.0, 0),
 ]
 

@@ -4,11 +4,16 @@ tests/deploy/test_up.py and the gateway and replica suites.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from loadtest.live import check_targets, pool_cells
+from loadtest.live import Cluster, check_targets, pool_cells
 from loadtest.replay import ReplayConfig, ReplayResult, RequestRecord
 
 EXP = "live: agents"
@@ -79,3 +84,25 @@ def test_a_missing_figure_never_counts_as_best() -> None:
     targets = check_targets([ca, other], {})[EXP]
     assert not targets["ttft_p50_best"] and targets["total_time_best"]
     assert targets["hit_rate_over_oracle"] is None and "ttft_p50_best_in_repeats" not in targets
+
+
+def test_replica_cpu_seconds_reads_the_replicas_from_the_pids_file(tmp_path: Path) -> None:
+    # A stand-in replica that burns some CPU, says so, then idles until killed.
+    work = "sum(i * i for i in range(3_000_000)); print('done', flush=True); input()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", work], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "done\n"
+        (tmp_path / "pids").write_text(
+            f"redis {os.getpid()} 1\nreplica-0 {child.pid} 2\ngateway {os.getpid()} 3\n"
+        )
+        cluster = Cluster(child, tmp_path, "http://127.0.0.1:3/v1")  # type: ignore[arg-type]
+        used = cluster.replica_cpu_seconds()
+        # Only the replica is counted: this test process has used far more than it.
+        assert used is not None and 0.05 <= used < time.process_time()
+        (tmp_path / "pids").write_text("replica-0 999999999 2\n")  # gone: unknown
+        assert cluster.replica_cpu_seconds() is None
+    finally:
+        child.kill()
+        child.wait()
