@@ -12,8 +12,8 @@ its gateway, which empties every replica's cache and the router's view of them, 
 replays the workload; its per-replica ``/cache/stats`` are read around the replay. Every
 workload is replayed ``repeats`` times per policy, the policies in a rotated order each
 round, so that a slower minute on this shared machine falls on every policy alike; the
-figures pool the repeats (all requests for hit rate and TTFT percentiles, the median
-repeat for total time and throughput). The hit rate is compared with the simulated
+figures pool the repeats (all requests for hit rate and TTFT percentiles, medians over
+the repeats for total time and throughput). The hit rate is compared with the simulated
 oracle's (one replica with N× capacity) at the same fraction of the working set.
 
     prefixgate bench live --replicas 4 --model tiny-random \\
@@ -412,9 +412,9 @@ def experiment_name(workload: str, cfg: LiveConfig) -> str:
 
 def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures from its repeats: hit rate, TTFT and ITL percentiles and the
-    per-replica counts over all their requests; total time, throughput and max/mean
-    load, busy replicas and replica CPU of the median repeat (with the range beside
-    them)."""
+    per-replica counts over all their requests; total time, throughput, max/mean load,
+    busy replicas and replica CPU as medians over the repeats (total time's range and
+    the worst max/mean beside them)."""
     records = [RequestRecord(**r) for run in repeats for r in run["requests"]]
     summaries = [run["summary"] for run in repeats]
     totals = [s["total_time_s"] for s in summaries]

@@ -342,7 +342,11 @@ class Engine:
             self._busy = True
         for future in resets:
             if future.set_running_or_notify_cancel():
-                future.set_result(self.cache.clear())
+                try:
+                    future.set_result(self.cache.clear())
+                except BaseException as exc:  # the caller hears of it; the loop dies of it
+                    future.set_exception(exc)
+                    raise
         for state in inbox:
             self.scheduler.add(state, self.model.tokenizer)
         for request_id in cancels:
