@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 from prefixgate.procs import free_port, stop_process, wait_http_ok
-from tests.conftest import RedisServer
 
 
 @dataclass(slots=True)
@@ -82,11 +80,3 @@ def write_api_keys(path: Path) -> Path:
     }
     path.write_text(json.dumps(keys))
     return path
-
-
-@pytest.fixture(scope="module")
-def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
