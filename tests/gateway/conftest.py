@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from prefixgate.procs import free_port, stop_process, wait_http_ok
 
 
