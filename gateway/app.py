@@ -3,7 +3,9 @@
 ``GatewayApp`` sends the two hot paths (chat and text completions) to the raw ASGI
 handler in gateway/handler.py and everything else, lifespan included, to a FastAPI app.
 Everything the handlers need (router, upstream client, tokenizers, tenants, metrics) lives
-in one ``GatewayState`` — built by ``create_app``, started and stopped by the lifespan.
+in one ``GatewayState`` (gateway/state.py), built by ``create_app`` and started and stopped
+by the lifespan. This module is the composition root: it imports the handlers, and
+nothing in the gateway imports it back.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -26,49 +27,28 @@ from gateway.auth import Authenticator, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
+from gateway.http1 import Http1Upstream
 from gateway.metrics import GatewayMetrics
 from gateway.probes import add_static_replicas, learn_static_models, probe_loop
 from gateway.routing import KeyBuilder
-from gateway.upstream import Upstream, make_upstream
+from gateway.state import GatewayState
+from gateway.upstream import AiohttpUpstream, HttpxUpstream, Transport, Upstream
 from prefixgate.wire import OpenAIError, error_body
 from router.router import Router
-
-if TYPE_CHECKING:
-    from router.sync import RedisSync
 
 log = logging.getLogger("prefixgate.gateway")
 
 
-@dataclass(slots=True)
-class GatewayState:
-    config: GatewayConfig
-    router: Router
-    client: httpx.AsyncClient  # probes and model discovery
-    upstream: Upstream  # forwarded requests
-    keys: KeyBuilder
-    auth: Authenticator
-    metrics: GatewayMetrics
-    sync: RedisSync | None = None
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-
-    def served_block_size(self, model: str) -> int | None:
-        """Block size of a replica serving ``model``; None when no replica serves it."""
-        for view in self.router.replicas.values():
-            if view.model == model:
-                return int(view.block_size)
-        return None
-
-    def has_unknown_model_replica(self) -> bool:
-        return any(v.model == "" for v in self.router.replicas.values())
-
-    def models(self, *, healthy_only: bool) -> list[str]:
-        return sorted(
-            {
-                v.model
-                for v in self.router.replicas.values()
-                if v.model and (v.healthy or not healthy_only)
-            }
-        )
+def make_upstream(
+    transport: Transport, max_connections: int, connect_timeout_s: float, read_timeout_s: float
+) -> Upstream:
+    if transport == "http1":
+        return Http1Upstream(max_connections, connect_timeout_s, read_timeout_s)
+    if transport == "aiohttp":
+        return AiohttpUpstream(max_connections, connect_timeout_s, read_timeout_s)
+    return HttpxUpstream(
+        max_connections, connect_timeout_s, read_timeout_s, aiohttp_transport=transport != "httpx"
+    )
 
 
 def make_client(config: GatewayConfig) -> httpx.AsyncClient:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
+from gateway.state import GatewayState
 from router.router import Router
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
 
 log = logging.getLogger("prefixgate.gateway")
 

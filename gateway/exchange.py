@@ -7,10 +7,9 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
+from gateway.metrics import GatewayMetrics
 
 access_log = logging.getLogger("prefixgate.gateway.access")
 
@@ -52,7 +51,7 @@ class Exchange:
             headers.append((b"x-prefixgate-route", route.encode("latin-1")))
         return headers
 
-    def finish(self, state: GatewayState) -> None:
+    def finish(self, metrics: GatewayMetrics) -> None:
         """Record the metrics and the access log line (once)."""
         if self.finished:
             return
@@ -60,7 +59,7 @@ class Exchange:
         end = time.perf_counter()
         ttfb = None if self.ttfb is None else self.ttfb - self.started
         predicted = self.matched_blocks * self.block_size
-        state.metrics.exchange(
+        metrics.exchange(
             self.endpoint,
             self.status,
             self.replica,

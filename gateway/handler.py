@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -33,6 +32,7 @@ from gateway.proxy import (
     send_json,
     send_stream,
 )
+from gateway.state import GatewayState
 from prefixgate.wire import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,9 +41,6 @@ from prefixgate.wire import (
     parse_request,
 )
 from router.conversation import conversation_key
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -84,7 +81,7 @@ async def serve_completion(
         body = error_body("The gateway failed on this request.", type="server_error")
         await send_json(send, 500, body, ex)
     finally:
-        ex.finish(state)
+        ex.finish(state.metrics)
 
 
 async def _serve(

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
 
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
+from gateway.state import GatewayState
 
 log = logging.getLogger("prefixgate.gateway")
 

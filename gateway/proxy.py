@@ -12,17 +12,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from starlette.types import Send
 
 from gateway.exchange import Exchange
+from gateway.state import GatewayState
 from gateway.upstream import UpstreamError, UpstreamResponse
 from prefixgate.wire import OpenAIError, error_body, is_error_body
 from router.router import NoHealthyReplica
-
-if TYPE_CHECKING:
-    from gateway.app import GatewayState
 
 # Upstream response headers we never pass on: hop-by-hop, or ones we set ourselves.
 DROPPED_HEADERS = frozenset(

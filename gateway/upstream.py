@@ -76,20 +76,6 @@ class Upstream(Protocol):
     async def aclose(self) -> None: ...
 
 
-def make_upstream(
-    transport: Transport, max_connections: int, connect_timeout_s: float, read_timeout_s: float
-) -> Upstream:
-    if transport == "http1":
-        from gateway.http1 import Http1Upstream
-
-        return Http1Upstream(max_connections, connect_timeout_s, read_timeout_s)
-    if transport == "aiohttp":
-        return AiohttpUpstream(max_connections, connect_timeout_s, read_timeout_s)
-    return HttpxUpstream(
-        max_connections, connect_timeout_s, read_timeout_s, aiohttp_transport=transport != "httpx"
-    )
-
-
 # Uvicorn (vLLM, SGLang, our replicas) drops idle keep-alive connections after 5 s; we let
 # go of them a little earlier, so a pooled connection is rarely dead when it is reused.
 KEEPALIVE_S = 4.0

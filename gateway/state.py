@@ -1,0 +1,56 @@
+"""``GatewayState``: everything the request handlers need, in one object.
+
+Built by ``create_app`` (gateway/app.py), started and stopped by its lifespan, and passed
+to the handlers explicitly; nothing here is global. Modules that serve requests import
+this module, never the app, so imports point one way: app → handlers → state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import httpx
+
+from gateway.auth import Authenticator
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.routing import KeyBuilder
+from gateway.upstream import Upstream
+from router.router import Router
+
+if TYPE_CHECKING:
+    from router.sync import RedisSync
+
+
+@dataclass(slots=True)
+class GatewayState:
+    config: GatewayConfig
+    router: Router
+    client: httpx.AsyncClient  # probes and model discovery
+    upstream: Upstream  # forwarded requests
+    keys: KeyBuilder
+    auth: Authenticator
+    metrics: GatewayMetrics
+    sync: RedisSync | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def served_block_size(self, model: str) -> int | None:
+        """Block size of a replica serving ``model``; None when no replica serves it."""
+        for view in self.router.replicas.values():
+            if view.model == model:
+                return int(view.block_size)
+        return None
+
+    def has_unknown_model_replica(self) -> bool:
+        return any(v.model == "" for v in self.router.replicas.values())
+
+    def models(self, *, healthy_only: bool) -> list[str]:
+        return sorted(
+            {
+                v.model
+                for v in self.router.replicas.values()
+                if v.model and (v.healthy or not healthy_only)
+            }
+        )
