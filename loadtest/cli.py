@@ -278,7 +278,7 @@ def cmd_simulate(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_live(args: argparse.Namespace, extra: list[str]) -> int:
-    from loadtest.live import main as live_main
+    from loadtest.live_cli import main as live_main
 
     return live_main(args)
 
@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_simulate_arguments(sim)
     sim.set_defaults(func=cmd_simulate, allow_extra=True)
 
-    from loadtest.live import add_arguments as live_arguments
+    from loadtest.live_cli import add_arguments as live_arguments
 
     live = sub.add_parser("live", help="the headline experiment on real local clusters")
     live_arguments(live)

@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
-from loadtest.live import Cluster, check_targets, pool_cells
+from loadtest.cluster import Cluster
+from loadtest.pooling import pool_cells
 from loadtest.replay import ReplayConfig, ReplayResult, RequestRecord
+from loadtest.targets import check_targets
 
 EXP = "live: agents"
 

@@ -1,0 +1,160 @@
+"""A local ``prefixgate up`` cluster driven from a benchmark: start, wait until ready,
+read its replicas' cache statistics and CPU time, reset its caches, stop.
+
+The replicas are found through the ``pids`` file that ``prefixgate up`` keeps in its run
+directory (``name pid port`` per line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefixgate.procs import ChildDied, free_port, stop_process, wait_http_ok
+
+# The /cache/stats fields that count events (the others are gauges: block counts).
+COUNTERS = ("queries", "hits", "misses", "hit_tokens", "query_tokens", "evictions", "expirations")
+
+
+@dataclass(slots=True)
+class Cluster:
+    """A running ``prefixgate up``: its process, run directory and OpenAI base URL."""
+
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    base_url: str
+
+    def replica_urls(self) -> dict[str, str]:
+        """From the ``pids`` file ``prefixgate up`` keeps: ``name pid port`` per line."""
+        urls = {}
+        for line in (self.run_dir / "pids").read_text().splitlines():
+            name, _pid, port = line.split()
+            if name.startswith("replica"):
+                urls[name] = f"http://127.0.0.1:{port}"
+        return urls
+
+    def names_by_address(self) -> dict[str, str]:
+        """``host:port`` → replica name: the gateway may name a replica either way."""
+        return {url.removeprefix("http://"): name for name, url in self.replica_urls().items()}
+
+    def cache_stats(self) -> dict[str, dict[str, Any]]:
+        stats = {}
+        for name, url in self.replica_urls().items():
+            with urllib.request.urlopen(f"{url}/cache/stats", timeout=10) as resp:
+                stats[name] = json.loads(resp.read())
+        return stats
+
+    def replica_cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the replica processes have used so far, from
+        /proc (None where there is none): what a replay costs the cores they share."""
+        total = 0.0
+        for line in (self.run_dir / "pids").read_text().splitlines():
+            name, pid, _port = line.split()
+            if not name.startswith("replica"):
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                return None
+            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is first
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    def reset_prefix_cache(self) -> None:
+        """Empty every replica's cache and the router's view (the gateway's endpoint)."""
+        gateway = self.base_url.removesuffix("/v1")
+        request = urllib.request.Request(f"{gateway}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=60) as resp:  # raises on 4xx/5xx
+            answer = json.loads(resp.read())
+        left = {n: s["cached_blocks"] for n, s in self.cache_stats().items() if s["cached_blocks"]}
+        if left or len(answer["replicas"]) != len(self.replica_urls()):
+            raise RuntimeError(f"prefix cache reset incomplete: {answer}, still cached {left}")
+
+    def warm_up(self, model: str) -> None:
+        """One short request on every replica: a fresh process's first forward pays
+        one-time costs no cell should be charged for (the next reset drops its blocks)."""
+        body = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        ).encode()
+        for url in self.replica_urls().values():
+            request = urllib.request.Request(
+                f"{url}/v1/chat/completions",
+                data=body,
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                resp.read()
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace_s=30.0)  # `up` stops its own children on SIGTERM
+
+
+def launch_cluster(
+    n_replicas: int,
+    model: str,
+    policy: str,
+    num_blocks: int,
+    run_dir: Path,
+    router_options: Sequence[str] = (),
+) -> Cluster:
+    """Start ``prefixgate up`` (returns at once; ``wait_ready`` waits for it)."""
+    port = free_port()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "ready").unlink(missing_ok=True)  # a previous run's, not this cluster's
+    cmd = [sys.executable, "-m", "prefixgate", "up", "--replicas", str(n_replicas)]
+    cmd += ["--model", model, "--port", str(port), "--policy", policy]
+    cmd += ["--num-blocks", str(num_blocks), "--run-dir", str(run_dir)]
+    for option in router_options:
+        cmd += ["--router-option", option]
+    with open(run_dir / "up.log", "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return Cluster(proc, run_dir, f"http://127.0.0.1:{port}/v1")
+
+
+def wait_ready(cluster: Cluster, timeout_s: float) -> None:
+    wait_for_file(cluster.run_dir / "ready", cluster.proc, timeout_s)
+    gateway = cluster.base_url.removesuffix("/v1")
+    wait_http_ok(f"{gateway}/ready", 30, procs=[cluster.proc])
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """``prefixgate up`` writes ``ready`` once every replica and the gateway answer."""
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if proc.poll() is not None:
+            raise ChildDied(f"prefixgate up exited with {proc.returncode}; see {path.parent}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cluster not ready within {timeout_s:.0f} s; see {path.parent}")
+        time.sleep(0.2)  # polling interval
+
+
+def cluster_hit_rate(stats: dict[str, dict[str, Any]]) -> float | None:
+    """Hit tokens over queried tokens, summed over every replica's prefix cache."""
+    hit = sum(int(s.get("hit_tokens", 0)) for s in stats.values())
+    queried = sum(int(s.get("query_tokens", 0)) for s in stats.values())
+    return hit / queried if queried else None
+
+
+def stats_delta(
+    after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Per-replica counters accrued between two /cache/stats readings."""
+    out = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+        out[name] = {k: v - then.get(k, 0) if k in COUNTERS else v for k, v in now.items()}
+    return out

@@ -1,0 +1,73 @@
+"""``prefixgate bench live``: the live experiment's command-line options."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from loadtest.live import DEFAULT_POLICIES, DEFAULT_WORKLOADS, LiveConfig, run_live
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--model", default="tiny-random")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma-separated kinds")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent sessions")
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=1 / 3,
+        help="each replica's KV cache as a fraction of the distinct prefix blocks",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="replays of every workload per policy, interleaved and pooled",
+    )
+    p.add_argument("--run-root", type=Path, default=Path("runs/live"), help="cluster logs")
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--router-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a router threshold for the clusters' gateways (repeatable)",
+    )
+    p.add_argument("--no-report", action="store_true", help="skip tables and plots")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = LiveConfig(
+        replicas=args.replicas,
+        model=args.model,
+        policies=[p for p in args.policies.split(",") if p],
+        workloads=[w for w in args.workloads.split(",") if w],
+        out_dir=args.out_dir,
+        concurrency=args.concurrency,
+        fraction=args.cache_fraction,
+        seed=args.seed,
+        ready_timeout_s=args.ready_timeout_s,
+        run_root=args.run_root,
+        router_options=args.router_option,
+        repeats=args.repeats,
+    )
+    path = run_live(cfg)
+    if not args.no_report:
+        from loadtest.report import load, write_report
+
+        sim = cfg.out_dir / "simulate.json"
+        inputs = [path, *([sim] if sim.is_file() else [])]
+        for p in write_report(load(inputs), cfg.out_dir):
+            print(p)
+    return 0
