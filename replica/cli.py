@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     from replica.metrics import ReplicaMetrics
     from replica.models import load_model
     from replica.publisher import Publisher, PublisherConfig
-    from replica.server import Replica, create_app
+    from replica.server import create_app
+    from replica.state import Replica
 
     advertise_url = args.advertise_url or f"http://{args.host}:{args.port}"
     replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prefixgate.wire import (
     ChatCompletionRequest,
@@ -19,9 +18,7 @@ from prefixgate.wire import (
 from replica import openai_format as fmt
 from replica.metrics import ReplicaMetrics
 from replica.request import SamplingParams
-
-if TYPE_CHECKING:
-    from replica.server import Replica
+from replica.state import Replica
 
 
 @dataclass(slots=True)

@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,39 +24,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixgate.segments import SegmentCache
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
 from replica.jobs import Job, JobClock, job_from_chat, job_from_completion
-from replica.metrics import ReplicaMetrics
-from replica.publisher import Publisher
 from replica.request import PromptTooLong, QueueFull, RequestOutput
+from replica.state import Replica
 
 log = logging.getLogger("prefixgate.replica.server")
 
 _REQUEST_ID_OK = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
-
-
-@dataclass(slots=True)
-class Replica:
-    """What the app serves: the loaded model, its engine and the side channels."""
-
-    loaded: Any  # replica.models.LoadedModel (imported lazily: it pulls in torch)
-    engine: Any  # replica.engine.Engine
-    served_model_name: str
-    metrics: ReplicaMetrics
-    publisher: Publisher | None = None
-    engine_stop_timeout_s: float = 5.0
-    # Chats encoded from cached pieces (same ids as the tokenizer's encode_chat, see
-    # prefixgate/segments.py); None: the model's tokenizer encodes each chat whole.
-    chats: SegmentCache | None = None
-
-    @property
-    def model_ids(self) -> list[str]:
-        names = [self.served_model_name]
-        if self.loaded.name != self.served_model_name:
-            names.append(self.loaded.name)
-        return names
 
 
 class RequestIdMiddleware:

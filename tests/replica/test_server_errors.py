@@ -20,7 +20,8 @@ import pytest
 from prefixgate.procs import stop_process
 from prefixgate.wire import is_error_body
 from replica.metrics import ReplicaMetrics
-from replica.server import Replica, create_app
+from replica.server import create_app
+from replica.state import Replica
 from router.protocol import ReplicaLoad
 from tests.replica.conftest import MODEL, ReplicaProcess, start_replica, until
 

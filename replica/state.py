@@ -1,0 +1,36 @@
+"""What one replica server serves: the loaded model, its engine and the side channels.
+
+Its own module so that the server (routes) and the jobs (request parsing) both depend on
+it and not on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prefixgate.segments import SegmentCache
+from replica.metrics import ReplicaMetrics
+from replica.publisher import Publisher
+
+
+@dataclass(slots=True)
+class Replica:
+    """The loaded model, its engine, metrics, and (optionally) the Redis publisher."""
+
+    loaded: Any  # replica.models.LoadedModel (not imported here: it pulls in torch)
+    engine: Any  # replica.engine.Engine
+    served_model_name: str
+    metrics: ReplicaMetrics
+    publisher: Publisher | None = None
+    engine_stop_timeout_s: float = 5.0
+    # Chats encoded from cached pieces (same ids as the tokenizer's encode_chat, see
+    # prefixgate/segments.py); None: the model's tokenizer encodes each chat whole.
+    chats: SegmentCache | None = None
+
+    @property
+    def model_ids(self) -> list[str]:
+        names = [self.served_model_name]
+        if self.loaded.name != self.served_model_name:
+            names.append(self.loaded.name)
+        return names
