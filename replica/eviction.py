@@ -19,12 +19,10 @@ operation is O(1) or O(log n); nothing scans the whole cache.
 from __future__ import annotations
 
 import heapq
-import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 
 POLICY_NAMES = ("lru", "sink_lru", "h2o")
-POLICY_ENV_VAR = "EVICTION_POLICY"
 
 
 class EvictionPolicy(ABC):
@@ -197,10 +195,11 @@ class H2OPolicy(EvictionPolicy):
 
 
 def make_policy(policy: str | EvictionPolicy | None = None) -> EvictionPolicy:
-    """A policy instance from a name, an instance, or None (env ``EVICTION_POLICY``, else lru)."""
+    """A policy instance from a name, an instance, or None (``lru``). Operators choose by
+    name with ``--eviction-policy`` / ``PREFIXGATE_EVICTION_POLICY``."""
     if isinstance(policy, EvictionPolicy):
         return policy
-    name = (policy if policy is not None else os.environ.get(POLICY_ENV_VAR, "lru")).strip()
+    name = (policy if policy is not None else "lru").strip()
     match name.lower():
         case "lru":
             return LRUPolicy()

@@ -4,19 +4,16 @@
 safetensors folder the first time (about 15 s) and loads that folder afterwards (about
 1 s); ``load_model("tiny-random")`` writes a seeded random Llama the first time. Both
 folders carry the same tokenizer files the gateway reads (``prefixgate.models``), so the
-replica and the gateway produce the same token ids. Nothing is fetched from a hub.
+replica and the gateway produce the same token ids. Nothing is fetched from a hub:
+every load passes ``local_files_only=True``.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-# Run time never reaches a hub; set before transformers reads its environment.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from transformers import (

@@ -34,6 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from router.backoff import Backoff
 from router.protocol import (
     REPLICAS_SET,
     BlockEvent,
@@ -208,7 +209,7 @@ class Publisher:
             self._redis = None
 
     async def _write_loop(self) -> None:
-        backoff = self.config.min_backoff_s
+        backoff = Backoff(self.config.min_backoff_s, self.config.max_backoff_s)
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
@@ -216,11 +217,10 @@ class Publisher:
                 try:
                     await self._write_once()
                     self._mark_up()
-                    backoff = self.config.min_backoff_s
+                    backoff.reset()
                 except _REDIS_ERRORS as exc:
                     self._mark_down(exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(2 * backoff, self.config.max_backoff_s)
+                    await backoff.wait()
 
     def _has_work(self) -> bool:
         with self._lock:

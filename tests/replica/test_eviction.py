@@ -97,11 +97,9 @@ def test_make_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(make_policy("SINK_LRU"), SinkLRUPolicy)
     given = H2OPolicy()
     assert make_policy(given) is given
-    monkeypatch.setenv("EVICTION_POLICY", "h2o")
-    assert isinstance(make_policy(None), H2OPolicy)
-    assert PrefixCache(4).policy.name == "h2o"
-    monkeypatch.delenv("EVICTION_POLICY")
+    monkeypatch.setenv("EVICTION_POLICY", "sink_lru")  # unprefixed: not a setting
     assert isinstance(make_policy(None), LRUPolicy)
+    assert PrefixCache(4).policy.name == "lru"
     with pytest.raises(ValueError, match="lru, sink_lru, h2o"):
         make_policy("fifo")
 
