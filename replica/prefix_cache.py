@@ -312,11 +312,6 @@ class PrefixCache:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self._num_blocks):
             raise ValueError(f"block ids {list(block_ids)} out of range [0, {self._num_blocks})")
 
-    def _check_id(self, block_id: int) -> int:
-        if not 0 <= block_id < self._num_blocks:
-            raise ValueError(f"block id {block_id} out of range [0, {self._num_blocks})")
-        return block_id
-
     # ------------------------------------------------------------------------- commit
 
     def commit(self, token_ids: Sequence[int], block_ids: Sequence[int], salt: str = "") -> None:
@@ -445,7 +440,7 @@ class PrefixCache:
         assert content is not None
         self._contents[block_id] = None
         self._cached -= 1
-        self._policy.forget(block_id)
+        self._policy.discard(block_id)
         for length in content.tail_lengths:
             del self._tails[(content.prev, content.data[: 4 * length])]
             counts = self._tail_lengths[content.prev]
@@ -507,15 +502,6 @@ class PrefixCache:
         return count
 
     # ------------------------------------------------------------------------- reporting
-
-    def record_attention(self, block_id: int, mass: float) -> None:
-        """Attention mass a cached block received, for the ``h2o`` policy.
-
-        NOT FED YET: the engine does not call this (a later issue wires attention mass
-        in), so ``h2o`` currently ranks every block equally and falls back to LRU order.
-        """
-        if self._contents[self._check_id(block_id)] is not None:
-            self._policy.record_attention(block_id, mass)
 
     def stats(self) -> CacheStats:
         s = self._stats

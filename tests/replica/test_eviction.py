@@ -6,14 +6,13 @@ import pytest
 
 from replica.eviction import (
     EvictionPolicy,
-    H2OPolicy,
     LRUPolicy,
     SinkLRUPolicy,
     make_policy,
 )
 from replica.prefix_cache import PrefixCache
 
-ALL = [LRUPolicy, SinkLRUPolicy, H2OPolicy]
+ALL = [LRUPolicy, SinkLRUPolicy]
 
 
 def drain(policy: EvictionPolicy) -> list[int]:
@@ -46,9 +45,8 @@ def test_lru_ignores_sinks() -> None:
     assert drain(policy) == [1, 2]
 
 
-@pytest.mark.parametrize("cls", [SinkLRUPolicy, H2OPolicy])
-def test_sinks_go_last(cls: type[EvictionPolicy]) -> None:
-    policy = cls()
+def test_sink_lru_evicts_sinks_last() -> None:
+    policy = SinkLRUPolicy()
     policy.push(1, sink=True)
     policy.push(2, sink=False)
     policy.push(3, sink=True)
@@ -56,51 +54,15 @@ def test_sinks_go_last(cls: type[EvictionPolicy]) -> None:
     assert drain(policy) == [2, 4, 1, 3]
 
 
-def test_h2o_evicts_least_attention_first_and_reranks_live_blocks() -> None:
-    policy = H2OPolicy()
-    for block in (1, 2, 3):
-        policy.push(block, sink=False)
-    policy.record_attention(1, 5.0)
-    policy.record_attention(2, 1.0)
-    policy.record_attention(2, 1.0)  # accumulates: 2.0
-    policy.check_invariants()
-    assert drain(policy) == [3, 2, 1]
-
-
-def test_h2o_mass_survives_pins_but_not_forget() -> None:
-    policy = H2OPolicy()
-    policy.record_attention(1, 3.0)  # recorded while pinned (not evictable)
-    policy.push(1, sink=False)
-    policy.push(2, sink=False)
-    assert policy.pop() == 2
-    policy.forget(1)
-    policy.push(1, sink=False)
-    policy.push(3, sink=False)
-    policy.record_attention(3, 1.0)
-    assert drain(policy) == [1, 3]  # 1's old mass is gone with its content
-
-
-def test_h2o_heap_stays_bounded_under_churn() -> None:
-    policy = H2OPolicy()
-    for round_ in range(500):
-        policy.push(round_ % 10, sink=False)
-        policy.record_attention(round_ % 10, 0.1)
-        policy.discard(round_ % 10)
-    policy.push(7, sink=False)
-    policy.check_invariants()
-    assert len(policy._heap) <= 2 * len(policy._live) + 65
-    assert drain(policy) == [7]
-
-
 def test_make_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("SINK_LRU"), SinkLRUPolicy)
-    given = H2OPolicy()
+    given = SinkLRUPolicy()
     assert make_policy(given) is given
     monkeypatch.setenv("EVICTION_POLICY", "sink_lru")  # unprefixed: not a setting
     assert isinstance(make_policy(None), LRUPolicy)
     assert PrefixCache(4).policy.name == "lru"
-    with pytest.raises(ValueError, match="lru, sink_lru, h2o"):
+    with pytest.raises(ValueError, match="lru, sink_lru"):
         make_policy("fifo")
 
 
@@ -131,16 +93,3 @@ def test_lru_would_have_evicted_the_old_system_prompt() -> None:
     run_prompt(cache, [9, 9, 9, 9, 8, 8, 8, 8])
     cache.allocate(2)
     assert cache.match([*system, 0]).cached_tokens == 0
-
-
-def test_h2o_through_the_cache_keeps_heavy_hitters() -> None:
-    cache = PrefixCache(6, 4, "m", eviction_policy="h2o")
-    prompt = list(range(12))  # blocks: sink, middle, last
-    hit_blocks = cache.allocate(3)
-    cache.commit(prompt, hit_blocks)
-    cache.record_attention(hit_blocks[1], 0.1)
-    cache.record_attention(hit_blocks[2], 0.9)  # the last block drew the attention
-    cache.release(hit_blocks)
-    cache.allocate(4)  # 3 free + 1 eviction: the middle block (least mass) goes
-    assert cache.match([*prompt, 0]).cached_tokens == 4
-    cache.check_invariants()

@@ -416,14 +416,6 @@ def test_orphans_left_by_head_first_release_are_replaced_on_recompute() -> None:
     cache.check_invariants()
 
 
-def test_record_attention_ignores_uncached_blocks() -> None:
-    cache = make(eviction_policy="h2o")
-    cache.record_attention(3, 1.0)
-    cache.check_invariants()
-    with pytest.raises(ValueError):
-        cache.record_attention(99, 1.0)
-
-
 def test_constructor_validates() -> None:
     with pytest.raises(ValueError):
         PrefixCache(0)

@@ -172,10 +172,6 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.cache.clear()
         assert self.cache.stats().free_blocks == NUM_BLOCKS - len(self.held())
 
-    @rule(block=st.integers(0, NUM_BLOCKS - 1), mass=st.floats(0.0, 1.0))
-    def attention(self, block: int, mass: float) -> None:
-        self.cache.record_attention(block, mass)
-
     # -------------------------------------------------------------- invariants
 
     @invariant()
@@ -191,14 +187,8 @@ class SinkLRUWeakKeyMachine(PrefixCacheMachine):
     key_fn = staticmethod(weak_key)
 
 
-class H2OMachine(PrefixCacheMachine):
-    policy = "h2o"
-
-
 _settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPrefixCacheLRU = PrefixCacheMachine.TestCase
 TestPrefixCacheLRU.settings = _settings
 TestPrefixCacheSinkLRUWeakKeys = SinkLRUWeakKeyMachine.TestCase
 TestPrefixCacheSinkLRUWeakKeys.settings = _settings
-TestPrefixCacheH2O = H2OMachine.TestCase
-TestPrefixCacheH2O.settings = _settings
