@@ -1,7 +1,8 @@
 """``prefixgate gateway``: run the OpenAI-compatible front door.
 
-Every flag can also come from the environment: ``--foo-bar`` ↔ ``PREFIXGATE_FOO_BAR``
-(lists comma-separated: ``PREFIXGATE_REPLICA=http://a:8001,http://b:8001``). Flags win.
+Every flag can also come from the environment (``prefixgate.envflags``): ``--foo-bar`` ↔
+``PREFIXGATE_FOO_BAR``, lists comma-separated
+(``PREFIXGATE_REPLICA=http://a:8001,http://b:8001``). Flags win.
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
 from gateway.upstream import TRANSPORTS
+from prefixgate.envflags import add_env_flag, add_env_list_flag
 from router.config import RouterConfig, with_options
 
 
@@ -28,71 +29,53 @@ def fast_server_options() -> dict[str, Any]:
     return options
 
 
-def _env(name: str) -> str | None:
-    return os.environ.get("PREFIXGATE_" + name.upper().replace("-", "_")) or None
-
-
-def _env_list(name: str) -> list[str]:
-    value = _env(name)
-    return [v.strip() for v in value.split(",") if v.strip()] if value else []
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixgate gateway",
         description="OpenAI-compatible gateway that routes each request to the replica "
         "holding its prompt's KV cache. Flags also read PREFIXGATE_<FLAG> env vars.",
     )
-    p.add_argument("--host", default=_env("host") or "127.0.0.1")
-    p.add_argument("--port", type=int, default=int(_env("port") or 8000))
-    p.add_argument(
-        "--replica",
-        action="append",
-        default=None,
+    add_env_flag(p, "host", default="127.0.0.1", help="interface to bind")
+    add_env_flag(p, "port", type=int, default=8000, help="port to bind")
+    add_env_list_flag(
+        p,
+        "replica",
         metavar="URL",
-        help="a replica's base URL (repeatable); more come from the Redis registry",
+        help="a replica's base URL; more come from the Redis registry",
     )
-    p.add_argument("--redis-url", default=_env("redis-url"), help="discovery and block events")
-    p.add_argument("--policy", choices=POLICIES, default=_env("policy") or "cache_aware")
-    p.add_argument(
-        "--router-option",
-        action="append",
-        default=None,
+    add_env_flag(p, "redis-url", help="discovery and block events")
+    add_env_flag(p, "policy", default="cache_aware", choices=POLICIES, help="routing policy")
+    add_env_list_flag(
+        p,
+        "router-option",
         metavar="NAME=VALUE",
-        help="a router threshold, e.g. load_slack=0.5 (repeatable; names and defaults: "
-        "router/config.py)",
+        help="a router threshold, e.g. load_slack=0.5 (names and defaults: router/config.py)",
     )
-    p.add_argument(
-        "--api-keys",
+    add_env_flag(
+        p,
+        "api-keys",
         type=Path,
-        default=_env("api-keys"),
         metavar="FILE",
         help="JSON/YAML: key -> {tenant, cache_salt, shared_namespace}; without it the "
         "gateway is open with one shared cache namespace",
     )
-    p.add_argument(
-        "--model",
-        action="append",
-        default=None,
-        help="model assumed for static replicas that do not say (repeatable)",
-    )
-    p.add_argument("--tokenizer", default=_env("tokenizer"), help="tokenizer for every model")
-    p.add_argument("--block-size", type=int, default=int(_env("block-size") or 16))
-    p.add_argument("--max-body-mb", type=float, default=float(_env("max-body-mb") or 16))
-    p.add_argument(
-        "--upstream-timeout-s", type=float, default=float(_env("upstream-timeout-s") or 600)
-    )
-    p.add_argument("--connect-timeout-s", type=float, default=float(_env("connect-timeout-s") or 2))
-    p.add_argument("--probe-interval-s", type=float, default=float(_env("probe-interval-s") or 2))
-    p.add_argument(
-        "--transport",
+    add_env_list_flag(p, "model", help="model assumed for static replicas that do not say")
+    add_env_flag(p, "tokenizer", help="tokenizer for every model")
+    add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
+    add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body")
+    add_env_flag(p, "upstream-timeout-s", type=float, default=600.0, help="per upstream request")
+    add_env_flag(p, "connect-timeout-s", type=float, default=2.0, help="per upstream connect")
+    add_env_flag(p, "probe-interval-s", type=float, default=2.0, help="active health checks")
+    add_env_flag(
+        p,
+        "transport",
+        default="http1",
         choices=TRANSPORTS,
-        default=_env("transport") or "http1",
         help="HTTP client for forwarded requests: http1 (the gateway's own, fastest), "
         "aiohttp, or httpx's API over its own transport or aiohttp's",
     )
-    p.add_argument("--gateway-id", default=_env("gateway-id"))
-    p.add_argument("--log-level", default=_env("log-level") or "info")
+    add_env_flag(p, "gateway-id", help="this gateway's id in routing hints shared through Redis")
+    add_env_flag(p, "log-level", default="info", help="logging level")
     return p
 
 
@@ -100,12 +83,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host,
         port=args.port,
-        replicas=args.replica or _env_list("replica"),
+        replicas=args.replica,
         redis_url=args.redis_url,
         policy=args.policy,
-        router=with_options(RouterConfig(), args.router_option or _env_list("router-option")),
+        router=with_options(RouterConfig(), args.router_option),
         api_keys_path=Path(args.api_keys) if args.api_keys else None,
-        models=args.model or _env_list("model"),
+        models=args.model,
         tokenizer=args.tokenizer,
         block_size=args.block_size,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),

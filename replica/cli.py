@@ -11,63 +11,64 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import sys
 import time
-from typing import Any
 from urllib.parse import urlsplit
 
+from prefixgate.envflags import add_env_flag
+
 log = logging.getLogger("prefixgate.replica")
-
-ENV_PREFIX = "PREFIXGATE_"
-
-
-def _flag(
-    parser: argparse.ArgumentParser,
-    name: str,
-    type_: type,
-    default: Any,
-    help_: str,
-    choices: list[str] | None = None,
-) -> None:
-    """``--name`` with its default taken from ``PREFIXGATE_NAME`` when that is set."""
-    env_name = ENV_PREFIX + name.upper().replace("-", "_")
-    raw = os.environ.get(env_name)
-    value = type_(raw) if raw is not None and raw != "" else default
-    parser.add_argument(
-        f"--{name}",
-        type=type_,
-        default=value,
-        choices=choices,
-        help=f"{help_} (env {env_name}; default {default})",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixgate replica", description="Serve one model replica with an OpenAI API."
     )
-    _flag(p, "model", str, "smollm2-135m", "builtin model name or local HF folder")
-    _flag(p, "served-model-name", str, None, "model name clients send (default: --model)")
-    _flag(p, "host", str, "127.0.0.1", "interface to bind")
-    _flag(p, "port", int, 8101, "port to bind")
-    _flag(p, "device", str, "cpu", "cpu or cuda:N")
-    _flag(p, "dtype", str, None, "float32, bfloat16 or float16 (default: the model's)")
-    _flag(p, "kv-cache-mb", int, None, "KV block pool size in MiB")
-    _flag(p, "num-blocks", int, None, "KV block pool size in blocks (instead of --kv-cache-mb)")
-    _flag(p, "block-size", int, 16, "tokens per KV block")
-    _flag(p, "max-running", int, 64, "most requests in the running batch")
-    _flag(p, "max-waiting", int, 256, "most requests waiting; more get 503 + Retry-After")
-    _flag(p, "max-prefill-tokens", int, 512, "prefill token budget per engine step")
-    _flag(p, "eviction-policy", str, None, "prefix cache eviction", ["lru", "sink_lru", "h2o"])
-    _flag(p, "ttl-s", float, None, "drop unpinned cached blocks idle this long")
-    _flag(p, "redis-url", str, None, "publish registry, load and block events to this Redis")
-    _flag(p, "replica-id", str, None, "id in Redis (default: host:port of --advertise-url)")
-    _flag(p, "advertise-url", str, None, "URL gateways should call (default http://host:port)")
-    _flag(p, "heartbeat-s", float, 1.0, "registry heartbeat interval")
-    _flag(p, "grace-s", float, 10.0, "on SIGTERM, how long in-flight requests may finish")
-    _flag(p, "log-level", str, "info", "logging level", ["debug", "info", "warning", "error"])
+    add_env_flag(p, "model", default="smollm2-135m", help="builtin model name or local HF folder")
+    add_env_flag(p, "served-model-name", help="model name clients send (default: --model)")
+    add_env_flag(p, "host", default="127.0.0.1", help="interface to bind")
+    add_env_flag(p, "port", type=int, default=8101, help="port to bind")
+    add_env_flag(p, "device", default="cpu", help="cpu or cuda:N")
+    add_env_flag(p, "dtype", help="float32, bfloat16 or float16 (default: the model's)")
+    add_env_flag(p, "kv-cache-mb", type=int, help="KV block pool size in MiB")
+    add_env_flag(
+        p, "num-blocks", type=int, help="KV block pool size in blocks (instead of --kv-cache-mb)"
+    )
+    add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
+    add_env_flag(p, "max-running", type=int, default=64, help="most requests in the running batch")
+    add_env_flag(
+        p,
+        "max-waiting",
+        type=int,
+        default=256,
+        help="most requests waiting; more get 503 + Retry-After",
+    )
+    add_env_flag(
+        p, "max-prefill-tokens", type=int, default=512, help="prefill token budget per engine step"
+    )
+    add_env_flag(
+        p, "eviction-policy", help="prefix cache eviction", choices=["lru", "sink_lru", "h2o"]
+    )
+    add_env_flag(p, "ttl-s", type=float, help="drop unpinned cached blocks idle this long")
+    add_env_flag(p, "redis-url", help="publish registry, load and block events to this Redis")
+    add_env_flag(p, "replica-id", help="id in Redis (default: host:port of --advertise-url)")
+    add_env_flag(p, "advertise-url", help="URL gateways should call (default http://host:port)")
+    add_env_flag(p, "heartbeat-s", type=float, default=1.0, help="registry heartbeat interval")
+    add_env_flag(
+        p,
+        "grace-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long in-flight requests may finish",
+    )
+    add_env_flag(
+        p,
+        "log-level",
+        default="info",
+        help="logging level",
+        choices=["debug", "info", "warning", "error"],
+    )
     return p
 
 
