@@ -129,7 +129,7 @@ def publish_dir(final: Path, build: Callable[[Path], None]) -> Path:
 
 def ensure_tokenizer_dir(name_or_path: str) -> Path:
     """The folder holding the model's tokenizer files, extracting SmolLM2's tokenizer from
-    its GGUF into the cache the first time (torch-free, well under a second)."""
+    its GGUF into the cache the first time (torch-free: only the metadata is read)."""
     if not is_builtin(name_or_path):
         path = model_dir(name_or_path)
         if not (path / "tokenizer.json").is_file():

@@ -12,7 +12,7 @@ same (leftmost-longest match of the added tokens' literal text) and that nothing
 on where a piece sits in the text. ``PieceSplitter.for_tokenizer`` only accepts
 tokenizers where both hold (no stripping or normalized added tokens, no
 position-dependent prefixing, no truncation or padding) and then checks sample chats id
-for id against the whole-text encode; otherwise chats are encoded whole, as before.
+for id against the whole-text encode; otherwise chats are encoded whole.
 tests/test_segments.py checks equality on many chats.
 """
 
