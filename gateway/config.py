@@ -7,16 +7,8 @@ from pathlib import Path
 
 from gateway.upstream import Transport
 from router.config import RouterConfig
+from router.policies import POLICIES
 from router.protocol import DEFAULT_BLOCK_SIZE
-
-POLICIES = (
-    "cache_aware",
-    "round_robin",
-    "random",
-    "least_loaded",
-    "power_of_two",
-    "consistent_hash",
-)
 
 
 @dataclass(slots=True)

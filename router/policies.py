@@ -230,10 +230,11 @@ class CacheAware(Policy):
         return self.least_loaded(tied)
 
 
+# Every policy by name, the default first: the one list the gateway's flags offer.
 POLICIES: Mapping[str, type[Policy]] = MappingProxyType(
     {
         cls.name: cls
-        for cls in (RoundRobin, RandomPolicy, LeastLoaded, PowerOfTwo, ConsistentHash, CacheAware)
+        for cls in (CacheAware, RoundRobin, RandomPolicy, LeastLoaded, PowerOfTwo, ConsistentHash)
     }
 )
 

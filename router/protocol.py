@@ -211,7 +211,7 @@ class BlockEvent:
 
     @classmethod
     def decode(cls, fields: dict[bytes, bytes] | dict[str, str]) -> BlockEvent:
-        f = {_text(k): _text(v) for k, v in fields.items()}
+        f = {as_text(k): as_text(v) for k, v in fields.items()}
         event_type = f["type"]
         if event_type not in ("stored", "removed", "cleared"):
             raise ValueError(f"unknown block event type {event_type!r}")
@@ -230,7 +230,8 @@ def _check_short(keys: Iterable[bytes]) -> None:
             raise ValueError(f"expected a {SHORT_KEY_BYTES}-byte short key, got {len(key)} bytes")
 
 
-def _text(value: str | bytes) -> str:
+def as_text(value: str | bytes) -> str:
+    """A Redis reply field as text (redis-py returns bytes unless told to decode)."""
     return value.decode() if isinstance(value, bytes) else value
 
 

@@ -5,8 +5,8 @@ heartbeats update load), rebuild the view of any replica that needs it from its
 snapshot, then block on XREAD over every replica's event stream for up to
 ``poll_interval_s``; a second task applies other gateways' RoutedHints and publishes
 ours. Redis is an accelerator: while it is down the router keeps routing on what it
-has, the outage is logged once, and the loop reconnects with exponential backoff and
-then resyncs every replica (events may have been lost meanwhile).
+has, the outage is logged once, and the loop reconnects with jittered exponential backoff
+(router/backoff.py) and then resyncs every replica (events may have been lost meanwhile).
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from router.backoff import Backoff
 from router.protocol import (
     REPLICAS_SET,
     ROUTED_CHANNEL,
     BlockEvent,
     ReplicaInfo,
     RoutedHint,
+    as_text,
     decode_snapshot,
     events_stream_key,
     replica_info_key,
@@ -36,7 +38,7 @@ from router.router import Router
 
 log = logging.getLogger(__name__)
 
-_BACKOFF_MAX_S = 5.0
+_BACKOFF_MAX_S = 5.0  # reconnect delays double from poll_interval_s up to this
 _READ_COUNT = 1000
 _MAX_PENDING_HINTS = 10_000
 
@@ -59,6 +61,9 @@ class RedisSync:
         self._discovered: set[str] = set()  # replicas this sync added (not static ones)
         self._stream_ids: dict[str, str] = {}  # replica -> last stream entry id read
         self._need_resync: set[str] = set()
+        # Resynced while the replica had no snapshot (e.g. just after a Redis restart,
+        # before the replica rewrote it): resynced again once one appears.
+        self._without_snapshot: set[str] = set()
         self._hints: deque[RoutedHint] = deque(maxlen=_MAX_PENDING_HINTS)
         self._hint_ready = asyncio.Event()
         self._down = False
@@ -102,22 +107,27 @@ class RedisSync:
     # ----------------------------------------------------------------------- main loop
 
     async def _follow_loop(self) -> None:
-        backoff = self.poll_interval_s
+        backoff = self._backoff()
         while not self._closing:
             try:
                 if self._down:
+                    # A restarted Redis has lost the registry; replicas re-register on
+                    # their next heartbeat. Until then a missing record does not mean a
+                    # dead replica (set before the first read that could see it missing).
+                    self._keep_missing_until = (
+                        self.router.clock() + self.router.config.replica_ttl_s
+                    )
                     await self._refresh()
                     self._came_back()
                 await self._read_events()
                 await self._refresh()
                 self.router.sweep()
-                backoff = self.poll_interval_s
+                backoff.reset()
             except (RedisError, OSError) as exc:
                 if self._closing:
                     return
                 self._went_down(exc)
-                await asyncio.sleep(backoff)  # reconnect backoff, not a readiness wait
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                await backoff.wait()
 
     def _went_down(self, exc: BaseException) -> None:
         if not self._down:
@@ -126,15 +136,18 @@ class RedisSync:
         self._need_resync.update(self._stream_ids)
 
     def _came_back(self) -> None:
-        # A restarted Redis has lost the registry; replicas re-register on their next
-        # heartbeat. Until then a missing record does not mean a dead replica.
-        self._keep_missing_until = self.router.clock() + self.router.config.replica_ttl_s
         self._down = False
         self.reconnects += 1
         log.info("Redis reachable again; resyncing %d replicas", len(self._stream_ids))
 
     async def _refresh(self) -> None:
         await self._discover()
+        client = self._require_client()
+        for replica_id in list(self._without_snapshot):
+            if replica_id not in self._stream_ids:
+                self._without_snapshot.discard(replica_id)
+            elif await client.exists(snapshot_key(replica_id)):
+                self._need_resync.add(replica_id)
         for replica_id in list(self._need_resync):
             await self._resync(replica_id)
 
@@ -142,7 +155,7 @@ class RedisSync:
 
     async def _discover(self) -> None:
         client = self._require_client()
-        ids = sorted(_text(raw) for raw in await client.smembers(REPLICAS_SET))  # type: ignore[misc]
+        ids = sorted(as_text(raw) for raw in await client.smembers(REPLICAS_SET))  # type: ignore[misc]
         records = await client.mget([replica_info_key(i) for i in ids]) if ids else []
         alive = set()
         for replica_id, raw in zip(ids, records, strict=True):
@@ -178,8 +191,10 @@ class RedisSync:
         raw: Any = await self._require_client().get(snapshot_key(replica_id))
         if raw is None:
             self.router.reset_replica_view(replica_id)
+            self._without_snapshot.add(replica_id)
         else:
             self.router.apply_snapshot(replica_id, decode_snapshot(raw))
+            self._without_snapshot.discard(replica_id)
         self._stream_ids[replica_id] = "0-0"
         self._need_resync.discard(replica_id)
         self.resyncs += 1
@@ -194,11 +209,11 @@ class RedisSync:
         reply: Any = await client.xread(streams, count=_READ_COUNT, block=block_ms)  # type: ignore[arg-type]
         by_stream = {events_stream_key(rid): rid for rid in self._stream_ids}
         for stream, entries in reply or []:
-            replica_id = by_stream.get(_text(stream))
+            replica_id = by_stream.get(as_text(stream))
             if replica_id is None:
                 continue
             for entry_id, fields in entries:
-                self._stream_ids[replica_id] = _text(entry_id)
+                self._stream_ids[replica_id] = as_text(entry_id)
                 if replica_id in self._need_resync:
                     break
                 if not self.router.apply_event(replica_id, BlockEvent.decode(fields)):
@@ -212,7 +227,7 @@ class RedisSync:
             self._hint_ready.set()
 
     async def _hint_loop(self) -> None:
-        backoff = self.poll_interval_s
+        backoff = self._backoff()
         while not self._closing:
             pubsub = self._require_client().pubsub(ignore_subscribe_messages=True)
             try:
@@ -222,10 +237,9 @@ class RedisSync:
                     message = await pubsub.get_message(timeout=self.poll_interval_s)
                     if message is not None and message.get("type") == "message":
                         self._apply_hint(message["data"])
-                    backoff = self.poll_interval_s
+                    backoff.reset()
             except (RedisError, OSError):
-                await asyncio.sleep(backoff)  # reconnect backoff
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                await backoff.wait()
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
@@ -246,11 +260,10 @@ class RedisSync:
         if hint.gateway_id != self.gateway_id:
             self.router.apply_hint(hint)
 
+    def _backoff(self) -> Backoff:
+        return Backoff(self.poll_interval_s, max(self.poll_interval_s, _BACKOFF_MAX_S))
+
     def _require_client(self) -> aioredis.Redis:
         if self._client is None:
             raise RuntimeError("RedisSync.start() was not called")
         return self._client
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
