@@ -8,14 +8,12 @@ listening port is left.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -26,6 +24,7 @@ from openai import OpenAI
 from prefixgate import cli, up
 from prefixgate.procs import free_port, http_ok
 from prefixgate.stack import PIDS_FILE, Stack
+from tests.conftest import wait_until
 
 # Long enough for several full 16-token blocks whatever the chat template adds.
 SYSTEM = (
@@ -209,19 +208,19 @@ def test_a_signal_ends_supervision_cleanly(stack: Stack) -> None:
     assert stack.stop_signal == "SIGTERM"
 
 
-def wait_until(done: Callable[[], bool], proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Poll ``done`` while ``proc`` runs; the pause between polls is a wait on ``proc``."""
-    deadline = time.monotonic() + timeout_s
-    while not done():
+def while_running(done: Callable[[], bool], proc: subprocess.Popen[bytes]) -> Callable[[], bool]:
+    """``done`` as a probe for ``wait_until`` that fails at once if ``proc`` has exited."""
+
+    def probe() -> bool:
         assert proc.poll() is None, f"exited with {proc.returncode} while we waited"
-        assert time.monotonic() < deadline, f"not done within {timeout_s} s"
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=0.05)
+        return done()
+
+    return probe
 
 
 def wait_for_log(path: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
     """A child without a health endpoint says it is ready in its log."""
-    wait_until(lambda: text in path.read_text(), proc, timeout_s=30)
+    wait_until(while_running(lambda: text in path.read_text(), proc), 30, f"{text!r} in {path}")
 
 
 # --------------------------------------------------------------------------- end to end
@@ -238,7 +237,7 @@ def test_up_serves_caches_and_stops_cleanly(
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         # `up` writes run_dir/ready once every replica and the gateway answer.
-        wait_until((run_dir / "ready").exists, proc, timeout_s=180)
+        wait_until(while_running((run_dir / "ready").exists, proc), 180, "run_dir/ready")
         base_url = f"http://127.0.0.1:{port}/v1"
         assert (run_dir / "ready").read_text().strip() == base_url
         assert http_ok(f"http://127.0.0.1:{port}/ready")
