@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -24,7 +22,7 @@ from router.protocol import (
 )
 from router.router import Router
 from router.sync import RedisSync
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, wait_until_async
 
 CHAIN = [short_key(k) for k in KeySpace("m").keys(list(range(64)))]  # 4 blocks
 POLL = 0.05
@@ -34,15 +32,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``condition`` until true or the deadline passes (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met before the deadline")
-        await asyncio.sleep(0.01)
 
 
 async def register(client: aioredis.Redis, replica_id: str, ttl_ms: int = 60_000) -> None:
@@ -76,17 +65,23 @@ async def test_events_are_applied_and_a_gap_resyncs_from_the_snapshot(
     await sync.start()
     try:
         assert "r0" in router.replicas and router.replicas["r0"].reported == ReplicaLoad(1)
-        await eventually(lambda: matched(router, "r0") == 2)
+        await wait_until_async(
+            lambda: matched(router, "r0") == 2, what='matched(router, "r0") == 2'
+        )
         await publish(client, "r0", BlockEvent(2, "stored", (CHAIN[2],), CHAIN[1]))
-        await eventually(lambda: matched(router, "r0") == 3)
+        await wait_until_async(
+            lambda: matched(router, "r0") == 3, what='matched(router, "r0") == 3'
+        )
         # Events 3..4 are lost; the snapshot (as of seq 4) holds the whole chain.
         blocks = [SnapshotBlock(p, k) for p, k in zip([None, *CHAIN[:-1]], CHAIN, strict=True)]
         await client.set(snapshot_key("r0"), encode_snapshot(4, blocks))
         resyncs = sync.resyncs
         await publish(client, "r0", BlockEvent(5, "removed", (CHAIN[0],)))  # gap: 3 missing
-        await eventually(lambda: sync.resyncs > resyncs)
+        await wait_until_async(lambda: sync.resyncs > resyncs, what="sync.resyncs > resyncs")
         # After the resync the stream is re-read: event 5 applies on top of the snapshot.
-        await eventually(lambda: router.replicas["r0"].last_seq == 5)
+        await wait_until_async(
+            lambda: router.replicas["r0"].last_seq == 5, what='router.replicas["r0"].last_seq == 5'
+        )
         assert matched(router, "r0") == 0  # the head left, the rest came from the snapshot
         assert [router.index.holds("r0", k) for k in CHAIN] == [False, True, True, True]
         router.check_invariants()
@@ -105,10 +100,14 @@ async def test_registry_expiry_removes_a_discovered_replica_not_a_static_one(
     sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
     await sync.start()
     try:
-        await eventually(lambda: matched(router, "r1") == 4)
+        await wait_until_async(
+            lambda: matched(router, "r1") == 4, what='matched(router, "r1") == 4'
+        )
         await client.pexpire(replica_info_key("r1"), 50)  # the heartbeat stops
         await client.pexpire(replica_info_key("static"), 50)
-        await eventually(lambda: "r1" not in router.replicas)
+        await wait_until_async(
+            lambda: "r1" not in router.replicas, what='"r1" not in router.replicas'
+        )
         assert router.index.match(CHAIN) == {} and "r1" not in router.ring
         assert "static" in router.replicas
     finally:
@@ -126,19 +125,28 @@ async def test_redis_restart_keeps_routing_then_reconnects_and_resyncs(
     sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
     await sync.start()
     try:
-        await eventually(lambda: matched(router, "r0") == 2)
+        await wait_until_async(
+            lambda: matched(router, "r0") == 2, what='matched(router, "r0") == 2'
+        )
         redis_server.stop()
-        await eventually(lambda: not sync.connected)
+        await wait_until_async(lambda: not sync.connected, what="not sync.connected")
         assert router.route(CHAIN).replica_id == "r0"  # routing goes on without Redis
         redis_server.start()  # same port, empty: the replica re-registers and snapshots
         client = aioredis.from_url(redis_server.url)
         await register(client, "r0")
         blocks = [SnapshotBlock(p, k) for p, k in zip([None, *CHAIN[:-1]], CHAIN, strict=True)]
         await client.set(snapshot_key("r0"), encode_snapshot(7, blocks))
-        await eventually(lambda: sync.connected and sync.reconnects == 1)
-        await eventually(lambda: router.replicas["r0"].last_seq == 7)
+        await wait_until_async(
+            lambda: sync.connected and sync.reconnects == 1,
+            what="sync.connected and sync.reconnects == 1",
+        )
+        await wait_until_async(
+            lambda: router.replicas["r0"].last_seq == 7, what='router.replicas["r0"].last_seq == 7'
+        )
         await publish(client, "r0", BlockEvent(8, "cleared"))
-        await eventually(lambda: matched(router, "r0") == 0)
+        await wait_until_async(
+            lambda: matched(router, "r0") == 0, what='matched(router, "r0") == 0'
+        )
         await client.aclose()
     finally:
         await sync.aclose()
@@ -154,7 +162,10 @@ async def test_gateways_share_optimistic_inserts(redis_server: RedisServer) -> N
         await sync.start()
     try:
         decision = routers[0].route(CHAIN)
-        await eventually(lambda: matched(routers[1], decision.replica_id) == 4)
+        await wait_until_async(
+            lambda: matched(routers[1], decision.replica_id) == 4,
+            what="matched(routers[1], decision.replica_id) == 4",
+        )
         assert routers[1].route(CHAIN).replica_id == decision.replica_id
     finally:
         for sync in syncs:
