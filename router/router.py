@@ -86,9 +86,13 @@ class Router:
         *,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        probe_first: bool = False,
     ) -> None:
+        """``probe_first``: replicas start ``unknown`` and take no traffic until a probe
+        succeeds (``report_probe``); for a caller that probes, such as the gateway."""
         self.config = config or RouterConfig()
         self.clock = clock
+        self.probe_first = probe_first
         self.ring = Ring(self.config.ring_vnodes)
         self.policy = make_policy(policy, self.config, self.ring, random.Random(seed))
         self.index = PrefixIndex(self.config.max_blocks_per_replica)
@@ -133,7 +137,10 @@ class Router:
         view = self._replicas.get(replica_id)
         if view is None:
             breaker = CircuitBreaker(
-                self.config.breaker_failures, self.config.breaker_cooldown_s, self.clock
+                self.config.breaker_failures,
+                self.config.breaker_cooldown_s,
+                self.clock,
+                state="unknown" if self.probe_first else "closed",
             )
             view = ReplicaView(
                 replica_id,
@@ -264,16 +271,29 @@ class Router:
         if view is not None:
             view.load.started()
 
-    def request_finished(self, replica_id: str, *, ok: bool) -> None:
+    def request_finished(self, replica_id: str, *, ok: bool | None) -> None:
+        """The replica is done with a request; ``ok`` is the breaker's verdict, None
+        when the outcome alone proves nothing (router/health.py: fault attribution; a
+        verdict found later goes to ``record_outcome``)."""
         view = self._replicas.get(replica_id)
         if view is not None:
             view.load.finished()
-            view.breaker.record(ok)
+            if ok is None:
+                view.breaker.record_no_verdict()
+            else:
+                view.breaker.record(ok)
         # The deferred optimistic inserts are folded in here, after a response, rather
         # than on some later request's routing decision.
         self.index.fold()
 
     def report_probe(self, replica_id: str, ok: bool) -> None:
+        view = self._replicas.get(replica_id)
+        if view is not None:
+            view.breaker.record(ok)
+
+    def record_outcome(self, replica_id: str, ok: bool) -> None:
+        """A verdict on a finished request that was open when it finished (a 5xx that
+        another replica's answer shows to be the replica's fault)."""
         view = self._replicas.get(replica_id)
         if view is not None:
             view.breaker.record(ok)
