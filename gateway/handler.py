@@ -23,15 +23,8 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
-from gateway.proxy import (
-    UpstreamFailure,
-    forward_headers,
-    open_upstream,
-    send_buffered,
-    send_failure,
-    send_json,
-    send_stream,
-)
+from gateway.proxy import Forward, forward, forward_headers
+from gateway.reply import send_json
 from gateway.state import GatewayState
 from prefixgate.wire import (
     ChatCompletionRequest,
@@ -124,18 +117,18 @@ async def _serve(
 
     prompt = await state.keys.keys(parsed, parsed.model, block_size, salt or "")
     conversation = conversation_key(body, headers)
-    upstream_headers = forward_headers(headers, ex.request_id, state.auth.open)
+    request = Forward(
+        keys=prompt.keys,
+        conversation=conversation,
+        model=route_model,
+        path=path,
+        body=raw,
+        headers=forward_headers(headers, ex.request_id, state.auth.open),
+        stream=parsed.stream,
+    )
     watch = DisconnectWatch(receive)
     try:
-        result = await open_upstream(
-            state, ex, prompt.keys, conversation, route_model, path, raw, upstream_headers
-        )
-        if isinstance(result, UpstreamFailure):
-            await send_failure(send, result, ex)
-        elif parsed.stream and result.response.status < 400:
-            await send_stream(state, result, ex, send)
-        else:
-            await send_buffered(state, result, ex, send)
+        await forward(state, ex, request, send)
     except asyncio.CancelledError:
         if not watch.gone:
             raise  # not ours: the server is shutting down

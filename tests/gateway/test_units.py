@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.auth import Authenticator, derived_salt, load_api_keys, parse_api_keys
-from gateway.proxy import SSEScanner, cached_tokens_in
 from gateway.routing import KeyBuilder, bytes_as_tokens, prompt_keys
+from gateway.usage import SSEScanner, cached_tokens_in
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest, OpenAIError
 from router.config import RouterConfig
 from router.protocol import KeySpace, short_key

@@ -1,0 +1,62 @@
+"""What the replica reported about the prompt cache, read from a passing answer without
+parsing all of it: ``usage.prompt_tokens_details.cached_tokens``."""
+
+from __future__ import annotations
+
+import json
+
+
+class SSEScanner:
+    """Watches a passing SSE stream for ``[DONE]`` and the usage chunk, without copying
+    more than the one event that straddles a chunk boundary."""
+
+    __slots__ = ("cached_tokens", "done", "tail")
+
+    def __init__(self) -> None:
+        self.tail = b""
+        self.done = False
+        self.cached_tokens: int | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self.tail + chunk if self.tail else chunk
+        events = data.replace(b"\r\n", b"\n").split(b"\n\n")
+        self.tail = events.pop()
+        for event in events:
+            self._event(event)
+
+    def _event(self, event: bytes) -> None:
+        if event.startswith(b"data: [DONE]"):
+            self.done = True
+        elif b'"cached_tokens"' in event and event.startswith(b"data:"):
+            found = cached_tokens_in(event[5:])
+            if found is not None:
+                self.cached_tokens = found
+
+
+def cached_tokens_in(raw: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a JSON body, when it has one.
+
+    Parses only the flat ``prompt_tokens_details`` object, not the whole answer: the key
+    with its quotes cannot occur inside a JSON string (quotes there are escaped), and
+    only ``usage`` has it. Anything unexpected falls back to parsing the whole body.
+    """
+    if b'"cached_tokens"' not in raw:
+        return None
+    key = b'"prompt_tokens_details"'
+    at = raw.rfind(key)
+    start = raw.find(b"{", at) if at >= 0 else -1
+    end = raw.find(b"}", start) if start >= 0 else -1
+    if end > start >= 0 and raw[at + len(key) : start].strip() == b":":
+        try:
+            details = json.loads(raw[start : end + 1])
+        except ValueError:
+            details = None
+        if isinstance(details, dict):
+            value = details.get("cached_tokens")
+            return value if isinstance(value, int) else None
+    try:
+        usage = json.loads(raw).get("usage") or {}
+        value = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None

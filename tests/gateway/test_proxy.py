@@ -1,0 +1,209 @@
+"""Forwarding (gateway/proxy.py) through the real app under uvicorn, in front of scripted
+loopback replicas: every path (whole answer, stream, 5xx retried, every replica failing,
+4xx, a stream broken off, the client leaving) answers the client as documented and
+leaves nothing in flight in the router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.state import GatewayState
+from tests.conftest import wait_until_async
+from tests.gateway.loopback import (
+    Replica,
+    Request,
+    answer,
+    answer_ok,
+    completion,
+    running_gateway,
+    sse,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+BODY = {"model": "m", "prompt": "forward me"}
+ERROR = {"error": {"message": "replica broke", "type": "server_error", "param": None, "code": None}}
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def in_flight(state: GatewayState) -> int:
+    return sum(v.in_flight for v in state.router.replicas.values())
+
+
+def metric(state: GatewayState, prefix: str) -> float:
+    """Sum of the samples whose line starts with ``prefix`` in the gateway's /metrics."""
+    lines = state.metrics.render().decode().splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(prefix))
+
+
+async def answer_by_mode(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+    if json.loads(request.body).get("stream"):
+        usage = {"usage": {"prompt_tokens_details": {"cached_tokens": 16}}, "choices": []}
+        w.write(sse('{"choices":[{"text":"a"}]}', json.dumps(usage)))
+    else:
+        w.write(answer(200, completion("whole", cached=32)))
+
+
+async def fail_500(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+    w.write(answer(500, json.dumps(ERROR).encode()))
+
+
+async def hang_up(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+    w.close()  # the request arrived; no answer at all
+
+
+async def refuse_400(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+    body = {"error": {"message": "bad", "type": "invalid_request_error", "param": None}}
+    w.write(answer(400, json.dumps(body).encode()))
+
+
+def test_whole_and_streamed_answers_pass_through() -> None:
+    async def main() -> None:
+        replica = await Replica(answer_by_mode).start()
+        async with running_gateway([replica]) as (url, state), httpx.AsyncClient() as client:
+            r = await client.post(url + "/v1/completions", json=BODY)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "whole"
+            assert r.headers["x-prefixgate-replica"] == replica.replica_id
+            assert in_flight(state) == 0
+            r = await client.post(url + "/v1/completions", json={**BODY, "stream": True})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            assert in_flight(state) == 0
+            assert metric(state, "prefixgate_gateway_reported_cached_tokens_total") == 48
+            assert replica.posts[1].headers["x-request-id"] == r.headers["x-request-id"]
+        replica.close()
+
+    run(main())
+
+
+def test_a_5xx_before_the_first_byte_is_retried_on_the_other_replica() -> None:
+    async def main() -> None:
+        bad, good = await Replica(fail_500).start(), await Replica().start()
+        async with (
+            running_gateway([bad, good], policy="round_robin") as (url, state),
+            httpx.AsyncClient() as client,
+        ):
+            retries = 0
+            for _ in range(2):  # round robin: the bad one comes first at least once
+                r = await client.post(url + "/v1/completions", json=BODY)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-prefixgate-replica"] == good.replica_id
+                retries += int(r.headers["x-prefixgate-route"].rsplit("retries=", 1)[1])
+            assert retries == len(bad.posts) >= 1 and len(good.posts) == 2
+            assert metric(state, "prefixgate_gateway_retries_total") == retries
+            failed = "prefixgate_gateway_upstream_failures_total{"
+            assert (
+                metric(state, failed + f'kind="http_500",replica="{bad.replica_id}"}}') == retries
+            )
+            assert in_flight(state) == 0
+        bad.close()
+        good.close()
+
+    run(main())
+
+
+def test_when_every_replica_fails_the_client_gets_the_last_error() -> None:
+    async def main() -> None:
+        a, b = await Replica(fail_500).start(), await Replica(fail_500).start()
+        silent = await Replica(hang_up).start()
+        async with running_gateway([a, b]) as (url, state), httpx.AsyncClient() as client:
+            r = await client.post(url + "/v1/completions", json=BODY)
+            assert r.status_code == 500 and r.json() == ERROR  # OpenAI-shaped: as it came
+            assert len(a.posts) + len(b.posts) == 2 and in_flight(state) == 0
+        async with running_gateway([silent]) as (url, state), httpx.AsyncClient() as client:
+            r = await client.post(url + "/v1/completions", json=BODY)
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "upstream_unavailable"
+            assert in_flight(state) == 0
+        for replica in (a, b, silent):
+            replica.close()
+
+    run(main())
+
+
+def test_a_4xx_is_the_clients_answer_and_is_not_retried() -> None:
+    async def main() -> None:
+        a, b = await Replica(refuse_400).start(), await Replica(refuse_400).start()
+        async with running_gateway([a, b]) as (url, state), httpx.AsyncClient() as client:
+            r = await client.post(url + "/v1/completions", json={**BODY, "stream": True})
+            assert r.status_code == 400 and r.json()["error"]["message"] == "bad"
+            assert len(a.posts) + len(b.posts) == 1
+            assert metric(state, "prefixgate_gateway_retries_total") == 0
+            assert in_flight(state) == 0
+        a.close()
+        b.close()
+
+    run(main())
+
+
+def test_a_stream_broken_off_ends_with_an_error_event() -> None:
+    async def break_off(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+        w.write(sse('{"choices":[{"text":"a"}]}', done=False))  # no last chunk
+        await w.drain()
+        w.close()
+
+    async def main() -> None:
+        replica = await Replica(break_off).start()
+        async with running_gateway([replica]) as (url, state), httpx.AsyncClient() as client:
+            r = await client.post(url + "/v1/completions", json={**BODY, "stream": True})
+            events = [e for e in r.text.split("\n\n") if e]
+            assert r.status_code == 200 and len(events) == 2, events
+            error = json.loads(events[1].removeprefix("data: "))["error"]
+            assert error["code"] == "upstream_error" and "incomplete" in error["message"]
+            assert metric(state, "prefixgate_gateway_requests_total{") == 1
+            assert metric(state, 'prefixgate_gateway_requests_total{endpoint="completions"') == 1
+            assert in_flight(state) == 0
+        replica.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_closes_the_upstream_connection(stream: bool) -> None:
+    gone = asyncio.Event()
+
+    async def start_then_wait(request: Request, r: asyncio.StreamReader, w: Any) -> None:
+        if gone.is_set():  # the request after: answered
+            await answer_ok(request, r, w)
+            return
+        if stream:  # the head and a first event, then nothing more
+            w.write(sse('{"choices":[{"text":"a"}]}', done=False))
+            await w.drain()
+        await r.read()  # returns at EOF: the gateway dropped the connection
+        gone.set()
+        w.close()
+
+    async def main() -> None:
+        replica = await Replica(start_then_wait).start()
+        async with running_gateway([replica]) as (url, state), httpx.AsyncClient() as client:
+            if stream:  # leaves once the first event arrived
+                body = {**BODY, "stream": True}
+                async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                    assert b"data:" in await anext(r.aiter_raw())
+                    assert in_flight(state) == 1
+            else:  # leaves while the replica computes
+                request = asyncio.create_task(client.post(url + "/v1/completions", json=BODY))
+                await wait_until_async(lambda: replica.posts, what="the request upstream")
+                assert in_flight(state) == 1
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+            await asyncio.wait_for(gone.wait(), 10)
+            await wait_until_async(lambda: in_flight(state) == 0, what="in flight drained")
+            left = 'prefixgate_gateway_requests_total{endpoint="completions",replica='
+            await wait_until_async(
+                lambda: metric(state, left + f'"{replica.replica_id}",status="499"}}') == 1,
+                what="the exchange recorded as 499",
+            )
+            r = await client.post(url + "/v1/completions", json=BODY)  # still serving
+            assert r.status_code == 200
+        replica.close()
+
+    run(main())
