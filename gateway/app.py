@@ -29,7 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.http1 import Http1Upstream
 from gateway.metrics import GatewayMetrics
-from gateway.probes import add_static_replicas, learn_static_models, probe_loop
+from gateway.probes import add_static_replicas, learn_static_models, probe_all, probe_loop
 from gateway.routing import KeyBuilder
 from gateway.state import GatewayState
 from gateway.upstream import AiohttpUpstream, HttpxUpstream, Transport, Upstream
@@ -79,7 +79,8 @@ def create_app(
     router: Router | None = None,
     keys: KeyBuilder | None = None,
 ) -> GatewayApp:
-    router = router or Router(config.router, policy=config.policy)
+    # Replicas start unknown: no traffic until a /health probe answers (router/health.py).
+    router = router or Router(config.router, policy=config.policy, probe_first=True)
     auth = Authenticator(load_api_keys(config.api_keys_path) if config.api_keys_path else None)
     state = GatewayState(
         config=config,
@@ -121,6 +122,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await started
     for model in {*config.models, *state.models(healthy_only=False)}:
         await state.keys.preload(model)
+    await probe_all(state)  # before serving: the replicas that answer take traffic at once
     state.tasks.append(asyncio.create_task(probe_loop(state)))
     if pending:
         state.tasks.append(asyncio.create_task(learn_static_models(state, pending)))
@@ -166,9 +168,9 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        """200 once at least ``?min_replicas=N`` (default 1) replicas are healthy: with
-        N = all of them, a freshly started cluster serves with every replica (their
-        breakers opened while they loaded close on the next good probe)."""
+        """200 once at least ``?min_replicas=N`` (default 1) replicas are healthy: probed
+        (a replica is unknown until its first /health probe succeeds) and not tripped.
+        With N = all of them, a freshly started cluster serves with every replica."""
         state: GatewayState = request.app.state.gateway
         healthy = [rid for rid, v in state.router.replicas.items() if v.healthy]
         raw = request.query_params.get("min_replicas", "1")

@@ -5,7 +5,11 @@ in tests, and for a backend that costs nothing in the latency benchmark, so that
 figures measure the gateway. Its answers are fixed text; flags make it fail on purpose:
 
     python -m gateway.stub_backend --port P [--model NAME] [--fail-status 500]
-        [--fail-body TEXT] [--break-after N] [--chunks N] [--delay-ms MS]
+        [--fail-body TEXT] [--fail-on TEXT] [--break-after N] [--chunks N]
+        [--delay-ms MS] [--health-status 503]
+
+``--fail-on TEXT`` fails only the requests whose body contains TEXT (a poison request;
+with ``--fail-status`` or 500); ``--health-status`` is what ``GET /health`` answers.
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -34,6 +38,8 @@ class StubConfig:
     break_after: int | None = None  # stream: drop the connection after this many chunks
     chunks: int = 4  # content chunks per streamed answer
     delay_s: float = 0.0  # before answering
+    fail_on: str | None = None  # fail only bodies containing this text
+    health_status: int = 200
     remembered: int = 64
 
 
@@ -48,7 +54,12 @@ class StubBackend:
             return
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/health":
-            await _send(send, 200, b'{"status":"ok"}')
+            ok = self.config.health_status == 200
+            await _send(
+                send,
+                self.config.health_status,
+                b'{"status":"%s"}' % (b"ok" if ok else b"unavailable"),
+            )
         elif method == "GET" and path == "/v1/models":
             card = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "stub"}
             await _send(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
@@ -71,12 +82,15 @@ class StubBackend:
         c = self.config
         if c.delay_s:
             await asyncio.sleep(c.delay_s)  # simulated backend work
-        if c.fail_status is not None:
+        # --fail-on: only poisoned bodies fail; otherwise --fail-status fails them all.
+        failing = c.fail_status is not None if c.fail_on is None else c.fail_on.encode() in raw
+        if failing:
+            status = c.fail_status or 500
             if c.fail_body is not None:
-                await _send(send, c.fail_status, c.fail_body.encode(), b"text/plain")
+                await _send(send, status, c.fail_body.encode(), b"text/plain")
             else:
                 error = _error("stub failure", "server_error")
-                await _send(send, c.fail_status, json.dumps(error).encode())
+                await _send(send, status, json.dumps(error).encode())
             return
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -189,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--break-after", type=int)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--fail-on")
+    parser.add_argument("--health-status", type=int, default=200)
     args = parser.parse_args(argv)
     config = StubConfig(
         model=args.model,
@@ -197,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         break_after=args.break_after,
         chunks=args.chunks,
         delay_s=args.delay_ms / 1000,
+        fail_on=args.fail_on,
+        health_status=args.health_status,
     )
     import uvicorn
 

@@ -51,14 +51,17 @@ class Stack:
             root, "gateway", urls, "--api-keys", str(keys), "--model", "dead-llm"
         )
         # Open mode, slow probes (retries are then seen, not pre-empted by the breaker).
+        # ``gone`` answers the gateway's first probe and is stopped by the test that
+        # needs a refused connection (a replica never probed healthy takes no traffic).
+        self.gone = start_stub(root, "gone", "--model", "foreign-llm")
         self.c = start_stub(root, "c", "--model", "foreign-llm")
         self.open_gw = start_gateway(
-            root, "open-gateway", [self.dead, self.c.url], "--model", "foreign-llm",
+            root, "open-gateway", [self.gone.url, self.c.url], "--model", "foreign-llm",
             "--probe-interval-s", "60", "--max-body-mb", "0.01",
         )  # fmt: skip
 
     def stop(self) -> None:
-        for server in [self.gw, self.open_gw, *self.stubs, self.c]:
+        for server in [self.gw, self.open_gw, *self.stubs, self.c, self.gone]:
             server.stop()
 
 
@@ -223,23 +226,19 @@ def test_unknown_model_is_404(stack: Stack) -> None:
 
 
 def test_no_healthy_replica_is_503_with_retry_after(stack: Stack) -> None:
-    statuses = []
-    for _ in range(10):  # refused (502) until the breaker opens, then 503
+    """dead-llm's only replica never answered a probe: it takes no traffic at all."""
+    for _ in range(3):
         r = httpx.post(
             stack.gw.url + "/v1/completions",
             json={"model": "dead-llm", "prompt": "x"},
             headers={"authorization": "Bearer sk-alpha"},
         )
-        statuses.append(r.status_code)
-        assert r.json()["error"]["message"]
-        if r.status_code == 503:
-            assert r.headers["retry-after"]
-            assert r.json()["error"]["code"] == "no_healthy_replica"
-            break
-    assert statuses[-1] == 503 and set(statuses) <= {502, 503}
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["code"] == "no_healthy_replica"
 
 
 def test_open_mode_retries_a_refused_connection(stack: Stack) -> None:
+    stack.gone.stop()  # probed healthy at the start, refused from now on
     c = openai.OpenAI(base_url=stack.open_gw.url + "/v1", api_key="unused", max_retries=0)
     for i in range(8):
         out = c.completions.create(
