@@ -126,17 +126,19 @@ class Router:
         in Redis under its own id is one replica, not two: the static entry gives way to
         the registered id, which stays static (it never expires)."""
         alias = self._alias(replica_id, url)
+        known_health: CircuitBreaker | None = None  # the same replica's, under its other id
         if alias is not None and static:
             # Already known under its registered id: that entry becomes static.
             replica_id, static = alias, True
             url = self._replicas[alias].url
             model = model or self._replicas[alias].model
         elif alias is not None and self._replicas[alias].static:
+            known_health = self._replicas[alias].breaker
             self.remove_replica(alias)
             static = True
         view = self._replicas.get(replica_id)
         if view is None:
-            breaker = CircuitBreaker(
+            breaker = known_health or CircuitBreaker(
                 self.config.breaker_failures,
                 self.config.breaker_cooldown_s,
                 self.clock,

@@ -150,3 +150,15 @@ def test_a_probing_router_routes_only_to_probed_replicas() -> None:
     plain = Router(clock=clock)
     plain.add_replica("a", "http://a", model="m")
     assert plain.replicas["a"].healthy  # the simulator's routers do not probe
+
+
+def test_a_static_replica_that_registers_keeps_its_probed_health() -> None:
+    """The static entry (named by address) gives way to the id the replica registers
+    under: the same replica, so what the probes found stays."""
+    router = Router(clock=Clock(), probe_first=True)
+    router.add_replica("127.0.0.1:9001", "http://127.0.0.1:9001", model="m", static=True)
+    router.report_probe("127.0.0.1:9001", True)
+    router.add_replica("replica-0", "http://127.0.0.1:9001", model="m")
+    assert list(router.replicas) == ["replica-0"]
+    assert router.replicas["replica-0"].healthy
+    router.check_invariants()
