@@ -13,6 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_N = 16
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_TOP_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds: what torch.Generator and vLLM accept
+TOKEN_ID_MAX = 2**32 - 1  # block keys encode token ids as uint32 (router.protocol)
 
 
 class OpenAIError(Exception):
@@ -59,6 +65,12 @@ def is_error_body(body: object) -> bool:
     )
 
 
+def _check_token_ids(ids: list[int]) -> None:
+    bad = next((t for t in ids if not 0 <= t <= TOKEN_ID_MAX), None)
+    if bad is not None:
+        raise ValueError(f"token ids must be between 0 and {TOKEN_ID_MAX}, got {bad}")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -71,11 +83,15 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # -1 and 0: off
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -86,12 +102,39 @@ class _SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list):
-            if len(value) > MAX_STOP_SEQUENCES:
-                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
-            if any(not s for s in value):
-                raise ValueError("stop sequences must be non-empty strings")
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
         return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            _check_token_ids(value)
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids may be biased")
+        for token, bias in value.items():
+            if not (token.isascii() and token.isdigit()) or int(token) > TOKEN_ID_MAX:
+                raise ValueError(f"keys must be token ids (0 to {TOKEN_ID_MAX}), got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be between -100 and 100, got {bias} for {token}")
+        return value
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
     @property
     def stop_list(self) -> list[str]:
@@ -137,6 +180,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def wants_logprobs(self) -> str | None:
+        """The field asking for log probabilities, if any does."""
+        if self.logprobs:
+            return "logprobs"
+        return "top_logprobs" if self.top_logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -154,6 +206,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -165,7 +218,15 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("prompt must not be empty")
             if isinstance(value[0], str | list) and len(value) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt")
+            ids = value[0] if isinstance(value[0], list) else value
+            if ids and isinstance(ids[0], int):
+                _check_token_ids(ids)  # type: ignore[arg-type]
         return value
+
+    @property
+    def wants_logprobs(self) -> str | None:
+        """The field asking for log probabilities, if any does."""
+        return "logprobs" if self.logprobs is not None else None
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -3,7 +3,9 @@
 Every flag can also come from the environment: ``--kv-cache-mb`` from
 ``PREFIXGATE_KV_CACHE_MB`` and so on (a flag on the command line wins). Binds to
 127.0.0.1 unless ``--host`` says otherwise. SIGTERM stops accepting connections, lets
-in-flight requests finish for ``--grace-s`` seconds, cancels the rest and exits 0.
+in-flight requests finish for ``--grace-s`` seconds, cancels the rest and exits 0. If the
+engine thread dies, the server stops at once and the process exits 1, for its supervisor
+(``prefixgate up``, compose ``restart``, Kubernetes) to restart it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from urllib.parse import urlsplit
 
 from prefixgate.envflags import add_env_flag
+from replica.eviction import POLICY_NAMES
 
 log = logging.getLogger("prefixgate.replica")
 
@@ -47,9 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p, "max-prefill-tokens", type=int, default=512, help="prefill token budget per engine step"
     )
-    add_env_flag(
-        p, "eviction-policy", help="prefix cache eviction", choices=["lru", "sink_lru", "h2o"]
-    )
+    add_env_flag(p, "eviction-policy", help="prefix cache eviction", choices=list(POLICY_NAMES))
     add_env_flag(p, "ttl-s", type=float, help="drop unpinned cached blocks idle this long")
     add_env_flag(p, "redis-url", help="publish registry, load and block events to this Redis")
     add_env_flag(p, "replica-id", help="id in Redis (default: host:port of --advertise-url)")
@@ -153,12 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
     )
     server = uvicorn.Server(config)
+    replica.on_engine_death = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
     # this handler in place that re-raise is a no-op and the process exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     server.run()
     if not server.started:
         log.error("server did not start (is port %d free?)", args.port)
+        return 1
+    if engine.error is not None:
+        log.error("replica %s exits 1: its engine thread died (%r)", replica_id, engine.error)
         return 1
     log.info("replica %s exited cleanly", replica_id)
     return 0

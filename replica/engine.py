@@ -5,6 +5,13 @@ thread-safe methods: ``submit`` validates and queues a request and returns a
 ``RequestHandle`` to stream from; ``cancel`` asks for a request to end. All torch work
 happens on the engine thread, which loops: take new requests and cancellations, run one
 scheduler step, repeat; it sleeps on a condition variable when idle.
+
+No request can stop the engine: the scheduler fails a request whose handling raises and a
+step whose forward raises, and a step that raises anywhere else fails every request in
+the scheduler, after which the block bookkeeping is checked. Only when that check (or
+anything outside a step) fails does the thread die: then ``submit`` raises
+``EngineStopped``, every request in flight or queued ends with an error, and the
+callbacks given to ``on_death`` run, so the server can exit and be restarted.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import math
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +38,7 @@ from replica.pool import BlockPool, PoolShape
 from replica.prefix_cache import CacheListener, CacheStats, PrefixCache
 from replica.request import (
     Delta,
+    EngineStopped,
     PromptTooLong,
     QueueFull,
     RequestOutput,
@@ -38,6 +47,8 @@ from replica.request import (
 )
 from replica.scheduler import Scheduler, SchedulerConfig
 from router.protocol import ReplicaLoad
+
+log = logging.getLogger("prefixgate.replica.engine")
 
 DEFAULT_KV_CACHE_MB = 256
 IDLE_WAIT_S = 0.5  # an idle loop still wakes this often to refresh its heartbeat
@@ -198,6 +209,7 @@ class Engine:
         )
         self._stats = self.cache.stats()
         self.error: BaseException | None = None  # what killed the loop, if anything
+        self._death_callbacks: list[Callable[[BaseException], None]] = []  # under _lock
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -216,6 +228,16 @@ class Engine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` (on the engine thread) if the engine thread dies; at
+        once if it already has."""
+        with self._lock:
+            error = self.error
+            if error is None:
+                self._death_callbacks.append(callback)
+        if error is not None:
+            callback(error)
 
     @property
     def alive(self) -> bool:
@@ -251,8 +273,12 @@ class Engine:
             submitted_at=time.monotonic(),
         )
         with self._lock:
+            if self.error is not None:
+                raise EngineStopped(
+                    f"the engine stopped after an internal error ({type(self.error).__name__})"
+                )
             if self._stopping:
-                raise RuntimeError("the engine is stopping")
+                raise EngineStopped("the engine is stopping")
             if self._num_waiting >= self.config.max_waiting:
                 raise QueueFull(
                     f"{self._num_waiting} requests are waiting (max_waiting="
@@ -275,7 +301,7 @@ class Engine:
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._lock:
             if self._stopping or not self.alive:
-                raise RuntimeError("the engine is not running")
+                raise EngineStopped("the engine is not running")
             self._resets.append(future)
             self._lock.notify_all()
         return future
@@ -315,16 +341,36 @@ class Engine:
                 while self._iterate():
                     pass
         except BaseException as exc:
-            self.error = exc
-            self.scheduler.abort_all()
-            raise
+            log.critical("the engine thread died; failing every request", exc_info=exc)
+            self._die(exc)
         finally:
             with self._lock:
                 self._busy = False
                 for future in self._resets:  # nobody is left to do them
-                    future.set_exception(RuntimeError("the engine stopped"))
+                    future.set_exception(EngineStopped("the engine stopped"))
                 self._resets.clear()
                 self._lock.notify_all()
+
+    def _die(self, exc: BaseException) -> None:
+        """Refuse new requests, end every known one with an error, tell the callbacks."""
+        with self._lock:
+            self.error = exc
+            inbox, self._inbox = self._inbox, []
+            callbacks, self._death_callbacks = self._death_callbacks, []
+        try:
+            self.scheduler.fail_all(exc, "running the engine", release=False)
+        except Exception:
+            log.exception("could not end every running request")
+        now = time.monotonic()
+        for state in inbox:
+            state.error = f"the replica stopped before serving this request ({type(exc).__name__})"
+            state.finished_at = now
+            state.sink.close(state.output())
+        for callback in callbacks:
+            try:
+                callback(exc)
+            except Exception:
+                log.exception("an engine death callback failed")
 
     def _iterate(self) -> bool:
         with self._lock:
@@ -355,7 +401,13 @@ class Engine:
             self.scheduler.abort_all()
             self._publish()
             return False
-        self.scheduler.step()
+        try:
+            self.scheduler.step()
+        except Exception as exc:
+            # Not one request's fault, or not attributable: fail them all, then make sure
+            # the blocks add up before going on (if not, the loop dies of it).
+            self.scheduler.fail_all(exc, "scheduling a step")
+            self.scheduler.check_invariants()
         if self.config.check_invariants:
             self.scheduler.check_invariants()
         self._publish()

@@ -95,14 +95,7 @@ def job_from_completion(body: object, replica: Replica) -> Job:
         prompt_ids = list(tokenizer.encode(prompt))
         prompt_text = prompt
     else:
-        vocab = _vocab_size(replica)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                param="prompt",
-                code="invalid_value",
-            )
+        _check_in_vocab(prompt, _vocab_size(replica), "prompt")
         prompt_ids = list(prompt)
         prompt_text = tokenizer.decode(prompt_ids) if req.echo else ""
     params = _sampling(req, req.max_new_tokens, len(prompt_ids), replica, "prompt")
@@ -143,6 +136,17 @@ def _sampling(
     replica: Replica,
     prompt_param: str,
 ) -> SamplingParams:
+    refused = req.wants_logprobs
+    if refused is not None:
+        raise OpenAIError(
+            f"{refused} is not supported by this replica; leave it out (or false/null)",
+            param=refused,
+            code="unsupported_value",
+        )
+    vocab = _vocab_size(replica)
+    logit_bias = req.logit_bias_ids
+    _check_in_vocab(list(logit_bias), vocab, "logit_bias")
+    _check_in_vocab(req.stop_token_ids or [], vocab, "stop_token_ids")
     max_context = int(replica.loaded.max_context)
     if n_prompt >= max_context:
         raise OpenAIError(
@@ -170,4 +174,18 @@ def _sampling(
         stop_token_ids=list(req.stop_token_ids or []),
         n=req.n,
         ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias,
     )
+
+
+def _check_in_vocab(token_ids: list[int], vocab: int, param: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise OpenAIError(
+            f"{param}: token id {bad} is outside the vocabulary [0, {vocab})",
+            param=param,
+            code="invalid_value",
+        )

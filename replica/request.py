@@ -8,6 +8,7 @@ here too, next to the results it produces.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,12 +28,24 @@ class QueueFull(RuntimeError):
     """The engine's waiting queue is at ``max_waiting``; try again later or elsewhere."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine takes no more requests: it is stopping, or its thread died."""
+
+
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's rule): no 1/T overflow
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as OpenAI and vLLM take seeds
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
+    """How to pick tokens and when to stop. A temperature under ``GREEDY_BELOW`` is greedy.
 
     ``top_k`` None (or the OpenAI-ish ``-1`` / ``0``) disables top-k. ``seed`` makes a
     request reproducible: choice ``i`` draws from its own generator seeded ``seed + i``.
+    Penalties and ``logit_bias`` (token id -> added logit) follow OpenAI and vLLM: the
+    repetition penalty divides (or, for negative logits, multiplies) the logits of every
+    token seen in prompt or output; frequency and presence penalties subtract per output
+    occurrence and once per token that occurred.
     """
 
     max_tokens: int = 16
@@ -44,10 +57,20 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def effective_top_k(self) -> int | None:
@@ -57,8 +80,8 @@ class SamplingParams:
         """Raise ValueError naming the bad field and what is allowed."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < -1:
@@ -69,6 +92,15 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
 
 
 @dataclass(slots=True)
@@ -102,11 +134,15 @@ class ChoiceOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
+    """A finished request. ``error`` is set when the engine failed it: its choices ended
+    early (finish_reason ``abort``) and the caller must report an error, not a result."""
+
     request_id: str
     prompt_tokens: int
     cached_tokens: int
     choices: list[ChoiceOutput]
     timings: Timings
+    error: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -142,6 +178,7 @@ class RequestState:
     prefilled_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    error: str | None = None  # why the engine failed this request, if it did
 
     @property
     def done(self) -> bool:
@@ -165,7 +202,12 @@ class RequestState:
             for s in self.sequences
         ]
         return RequestOutput(
-            self.request_id, len(self.prompt_token_ids), self.cached_tokens, choices, timings
+            self.request_id,
+            len(self.prompt_token_ids),
+            self.cached_tokens,
+            choices,
+            timings,
+            self.error,
         )
 
 

@@ -7,10 +7,13 @@ tokens whatever else shares its batch, and a preempted sequence resumes the same
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 import torch
 
 from replica.request import SamplingParams
+
+SEED_MASK = 2**64 - 1  # torch generators take 64-bit seeds; choice seeds wrap around
 
 
 def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
@@ -20,19 +23,28 @@ def make_generator(params: SamplingParams, index: int) -> torch.Generator | None
         return None
     seed = params.seed + index if params.seed is not None else secrets.randbits(63)
     gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
+    gen.manual_seed(seed & SEED_MASK)
     return gen
 
 
 def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    token_ids: Sequence[int] = (),
+    num_prompt: int = 0,
 ) -> int:
-    """logits: [V] (any float dtype, any device). Greedy at temperature 0."""
-    if params.greedy:
+    """logits: [V] (any float dtype, any device); ``token_ids``: the sequence so far, its
+    first ``num_prompt`` the prompt (for penalties). Greedy under ``GREEDY_BELOW``."""
+    if params.greedy and not (params.logit_bias or params.has_penalties):
         return int(torch.argmax(logits).item())
     # Sampling runs on CPU in float32: the generator is a CPU one, and reproducibility
     # must not depend on the device's reduction order.
-    scores = logits.detach().to(device="cpu", dtype=torch.float32) / params.temperature
+    scores = logits.detach().to(device="cpu", dtype=torch.float32)
+    scores = adjust_logits(scores, params, token_ids, num_prompt)
+    if params.greedy:
+        return int(torch.argmax(scores).item())
+    scores = scores / params.temperature
     top_k = params.effective_top_k
     if top_k is not None and top_k < scores.shape[0]:
         kth = torch.topk(scores, top_k).values[-1]
@@ -41,6 +53,30 @@ def sample_token(
         scores = _top_p_filter(scores, params.top_p)
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def adjust_logits(
+    scores: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_prompt: int
+) -> torch.Tensor:
+    """scores: [V] float32 on CPU -> [V] with ``logit_bias`` and the penalties applied."""
+    vocab = scores.shape[0]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=scores.dtype)
+        scores = scores.index_add(0, ids, bias)
+    if not params.has_penalties:
+        return scores
+    output = torch.tensor(token_ids[num_prompt:], dtype=torch.long)
+    counts = torch.bincount(output, minlength=vocab).to(scores.dtype)  # [V]
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(token_ids[:num_prompt], dtype=torch.long)] = True
+        penalised = torch.where(
+            scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty
+        )
+        scores = torch.where(seen, penalised, scores)
+    scores = scores - params.frequency_penalty * counts
+    return scores - params.presence_penalty * (counts > 0).to(scores.dtype)
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -16,10 +16,16 @@ Pool full while a decoder needs a block: preempt the most recently admitted othe
 sequence (commit + release its blocks, back to the front of the queue, recompute later).
 Only pinned blocks are never evicted, and preemption only releases pins, so the pool
 always drains: no deadlock. A sequence that alone fills the pool ends with ``length``.
+
+Failures are contained: an exception while setting up, sampling or detokenizing for one
+request fails that request (``fail``: blocks released, its handle closed with an error);
+an exception in a step's forward fails the requests scheduled in it. Either way the
+other requests and the scheduler go on.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -34,6 +40,8 @@ from replica.pool import BlockPool
 from replica.prefix_cache import CacheFull, PrefixCache, PrefixMatch
 from replica.request import Delta, RequestState, SequenceState
 from replica.sampling import make_generator, sample_token
+
+log = logging.getLogger("prefixgate.replica.engine")
 
 # (input_ids [T], batch, rows whose logits are wanted [K]) -> logits [K, V]
 ForwardFn = Callable[[torch.Tensor, PagedBatch, torch.Tensor], torch.Tensor]
@@ -72,19 +80,57 @@ class Scheduler:
 
     def add(self, request: RequestState, decoder: TokenDecoder) -> None:
         """Queue a new request. Choice 0 prefills; the others fork from it afterwards."""
-        for i in range(request.params.n):
-            request.sequences.append(
-                SequenceState(
-                    request=request,
-                    index=i,
-                    token_ids=list(request.prompt_token_ids),
-                    detokenizer=IncrementalDetokenizer(decoder),
-                    stop_matcher=StopStringMatcher(request.params.stop),
-                    generator=make_generator(request.params, i),
-                )
-            )
         self.requests[request.request_id] = request
+        try:
+            for i in range(request.params.n):
+                request.sequences.append(
+                    SequenceState(
+                        request=request,
+                        index=i,
+                        token_ids=list(request.prompt_token_ids),
+                        detokenizer=IncrementalDetokenizer(decoder),
+                        stop_matcher=StopStringMatcher(request.params.stop),
+                        generator=make_generator(request.params, i),
+                    )
+                )
+        except Exception as exc:
+            self.fail(request, exc, "setting up")
+            return
         self.waiting.append(request.sequences[0])
+
+    def fail(self, request: RequestState, exc: BaseException, doing: str) -> None:
+        """End ``request`` now because handling it raised ``exc`` while ``doing``: its
+        blocks are released (uncommitted: nothing computed for it is trusted) and its
+        handle closes with an error. Other requests are untouched."""
+        log.error("request %s failed while %s", request.request_id, doing, exc_info=exc)
+        for seq in request.sequences:
+            if seq in self.running:
+                self._release(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        request.error = (
+            f"the replica failed while {doing} for this request ({type(exc).__name__}); "
+            f"it was dropped and the replica goes on (request id {request.request_id} in "
+            "its log)"
+        )
+        self._close(request)
+
+    def fail_all(self, exc: BaseException, doing: str, *, release: bool = True) -> None:
+        """``fail`` every request. ``release=False`` when the block bookkeeping itself
+        cannot be trusted any more (the engine is going down): handles are closed only."""
+        for request in list(self.requests.values()):
+            if release:
+                self.fail(request, exc, doing)
+                continue
+            for seq in request.sequences:
+                seq.finish_reason = seq.finish_reason or "abort"
+            request.error = f"the replica stopped while {doing} ({type(exc).__name__})"
+            self._close(request)
+        if not release:
+            self.running.clear()
+            self.waiting.clear()
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -155,11 +201,16 @@ class Scheduler:
                 rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         device = self.pool.device
-        logits = self.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            batch,
-            torch.tensor(rows, dtype=torch.long, device=device),
-        )  # [K, V]
+        try:
+            logits = self.forward(
+                torch.tensor(input_ids, dtype=torch.long, device=device),
+                batch,
+                torch.tensor(rows, dtype=torch.long, device=device),
+            )  # [K, V]
+        except Exception as exc:
+            for request in {id(s.request): s.request for s in scheduled}.values():
+                self.fail(request, exc, "running the model")
+            return
         now = self.clock()
         for seq in scheduled:
             was_prefilling = seq.num_computed < seq.num_prompt
@@ -168,14 +219,26 @@ class Scheduler:
                 self._prompt_done(seq, now)
         for row, seq in enumerate(sampling):
             request = seq.request
-            targets = [seq]
-            if not request.forked:
-                targets += self._fork(seq)
-            if request.first_token_at is None:
-                request.first_token_at = now
-            for target in targets:
-                token = sample_token(logits[row], request.params, target.generator)
-                self._emit(target, target.append_token(token, self.max_context))
+            if request.request_id not in self.requests:
+                continue  # failed earlier in this step
+            try:
+                self._sample(seq, logits[row], now)
+            except Exception as exc:
+                self.fail(request, exc, "sampling")
+
+    def _sample(self, seq: SequenceState, logits: torch.Tensor, now: float) -> None:
+        """Draw the next token of ``seq`` (and of its forks, on its first token)."""
+        request = seq.request
+        targets = [seq]
+        if not request.forked:
+            targets += self._fork(seq)
+        if request.first_token_at is None:
+            request.first_token_at = now
+        for target in targets:
+            token = sample_token(
+                logits, request.params, target.generator, target.token_ids, target.num_prompt
+            )
+            self._emit(target, target.append_token(token, self.max_context))
 
     # ------------------------------------------------------------------------- blocks
 
@@ -299,6 +362,10 @@ class Scheduler:
         used = math.ceil(n / self.pool.block_size)
         if n:
             self.cache.commit(seq.token_ids[:n], seq.block_ids[:used], seq.request.salt)
+        self._release(seq)
+
+    def _release(self, seq: SequenceState) -> None:
+        """Give ``seq``'s blocks back (in order) and take it off the running list."""
         self.cache.release(seq.block_ids)
         seq.block_ids = []
         seq.shared_tail = False

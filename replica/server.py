@@ -9,6 +9,7 @@ is refused is an OpenAI error envelope (``prefixgate.wire``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
 from replica.jobs import Job, JobClock, job_from_chat, job_from_completion
-from replica.request import PromptTooLong, QueueFull, RequestOutput
+from replica.request import EngineStopped, PromptTooLong, QueueFull, RequestOutput
 from replica.state import Replica
 
 log = logging.getLogger("prefixgate.replica.server")
@@ -64,6 +65,13 @@ def create_app(replica: Replica) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not replica.engine.alive:
             replica.engine.start()
+        loop = asyncio.get_running_loop()
+
+        def engine_died(exc: BaseException) -> None:  # on the engine thread
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                loop.call_soon_threadsafe(_stop_serving, replica, exc)
+
+        replica.engine.on_death(engine_died)
         if replica.publisher is not None:
             await replica.publisher.start(replica.engine.load)
         log.info("replica serving %s", ", ".join(replica.model_ids))
@@ -160,6 +168,14 @@ def create_app(replica: Replica) -> FastAPI:
     return app
 
 
+def _stop_serving(replica: Replica, exc: BaseException) -> None:
+    """The engine thread died: refuse work (``/health`` is already 503, ``submit``
+    raises) and stop the server, so the process exits non-zero and is restarted."""
+    log.critical("engine thread died (%s: %s); stopping the server", type(exc).__name__, exc)
+    if replica.on_engine_death is not None:
+        replica.on_engine_death()
+
+
 async def _json_body(request: Request) -> object:
     raw = await request.body()
     try:
@@ -183,7 +199,7 @@ def _submit(job: Job, replica: Replica) -> Any:
             code="queue_full",
             headers={"Retry-After": "1"},
         ) from exc
-    except RuntimeError as exc:  # the engine is stopping (SIGTERM): go elsewhere
+    except EngineStopped as exc:  # stopping (SIGTERM) or its engine died: go elsewhere
         raise OpenAIError(
             f"the replica is shutting down ({exc}); retry on another replica",
             status=503,
@@ -224,8 +240,15 @@ async def _run(job: Job, request: Request, replica: Replica) -> Response:
     if not collect.done() or collect.cancelled():
         return Response(status_code=499)
     output = collect.result()
+    if output.error is not None:
+        raise _engine_error(output.error)
     _observe(job, output, clock, replica)
     return JSONResponse(_full_body(job, output))
+
+
+def _engine_error(message: str) -> OpenAIError:
+    """A request the engine failed (never the client's input: that is checked first)."""
+    return OpenAIError(message, status=500, type="server_error", code="engine_error")
 
 
 def _cancel_unfinished(handle: Any, job: Job, replica: Replica) -> None:
@@ -304,6 +327,13 @@ async def _stream(job: Job, handle: Any, clock: JobClock, replica: Replica) -> A
             yield fmt.sse(chunk)
         output = _output(handle)
         finished = True
+        if output.error is not None:
+            # Headers are sent: the error goes in the stream, as OpenAI's does.
+            error = _engine_error(output.error)
+            replica.metrics.request_errors.labels(code=error.code).inc()
+            yield fmt.sse(error.body())
+            yield fmt.SSE_DONE
+            return
         _observe(job, output, clock, replica)
         if job.include_usage:
             use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)

@@ -6,6 +6,7 @@ it and not on each other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,9 @@ class Replica:
     # Chats encoded from cached pieces (same ids as the tokenizer's encode_chat, see
     # prefixgate/segments.py); None: the model's tokenizer encodes each chat whole.
     chats: SegmentCache | None = None
+    # Called once, on the event loop, if the engine thread dies: the CLI stops uvicorn
+    # there and exits non-zero so its supervisor restarts the process.
+    on_engine_death: Callable[[], None] | None = None
 
     @property
     def model_ids(self) -> list[str]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from replica.request import SamplingParams
-from replica.sampling import make_generator, sample_token
+from replica.sampling import adjust_logits, make_generator, sample_token
 
 
 def _logits() -> torch.Tensor:
@@ -64,8 +64,57 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
         SamplingParams(top_k=-2),
         SamplingParams(n=0),
         SamplingParams(stop=[""]),
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(temperature=float("inf")),
+        SamplingParams(seed=2**63),
+        SamplingParams(seed=-(2**63) - 1),
+        SamplingParams(presence_penalty=2.5),
+        SamplingParams(frequency_penalty=float("nan")),
+        SamplingParams(repetition_penalty=0.0),
+        SamplingParams(logit_bias={-1: 1.0}),
+        SamplingParams(logit_bias={3: 101.0}),
     ],
 )
 def test_bad_params_are_refused(bad: SamplingParams) -> None:
     with pytest.raises(ValueError):
         bad.validate()
+
+
+def test_temperatures_under_1e_5_are_greedy_and_draw_nothing() -> None:
+    logits = _logits()
+    for temperature in (0.0, 1e-40, 5e-324, 9.9e-6):
+        params = SamplingParams(temperature=temperature, seed=1)
+        assert params.greedy and make_generator(params, 0) is None
+        assert sample_token(logits, params, None) == int(logits.argmax())
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_choice_seeds_wrap_to_64_bits() -> None:
+    logits = _logits()
+    params = SamplingParams(seed=2**63 - 1, n=3)
+    draws = [sample_token(logits, params, make_generator(params, i)) for i in range(3)]
+    assert len(draws) == 3  # seed + 1 and seed + 2 do not overflow the generator
+
+
+def test_logit_bias_can_force_or_ban_a_token() -> None:
+    logits = _logits()
+    best = int(logits.argmax())
+    forced = SamplingParams(temperature=0.0, logit_bias={7: 100.0})
+    assert sample_token(logits, forced, None) == 7
+    banned = SamplingParams(temperature=0.0, logit_bias={best: -100.0})
+    assert sample_token(logits, banned, None) != best
+
+
+def test_penalties_follow_openai_and_vllm() -> None:
+    scores = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    prompt, output = [3], [0, 0, 1]
+    tokens = [*prompt, *output]
+    rep = adjust_logits(scores, SamplingParams(repetition_penalty=2.0), tokens, 1)
+    # Seen tokens (0 and 1 in the output, 3 in the prompt) move towards "less likely".
+    assert rep.tolist() == [1.0, -4.0, 1.0, 0.25]
+    freq = adjust_logits(scores, SamplingParams(frequency_penalty=0.5), tokens, 1)
+    assert freq.tolist() == [1.0, -2.5, 1.0, 0.5]  # per output occurrence; the prompt is free
+    pres = adjust_logits(scores, SamplingParams(presence_penalty=0.5), tokens, 1)
+    assert pres.tolist() == [1.5, -2.5, 1.0, 0.5]  # once per token that occurred
+    greedy = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    assert sample_token(scores, greedy, None, [0, 0], 0) == 2  # token 0 penalised by 4
