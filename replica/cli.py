@@ -19,6 +19,8 @@ import time
 from urllib.parse import urlsplit
 
 from prefixgate.envflags import add_env_flag
+from prefixgate.guard import Guard, GuardConfig
+from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from replica.eviction import POLICY_NAMES
 
 log = logging.getLogger("prefixgate.replica")
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="on SIGTERM, how long in-flight requests may finish",
     )
+    add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body (413)")
+    add_http_limit_flags(p)
     add_env_flag(
         p,
         "log-level",
@@ -77,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.kv_cache_mb is not None and args.num_blocks is not None:
         print("prefixgate replica: give --kv-cache-mb or --num-blocks, not both", file=sys.stderr)
+        return 2
+    try:
+        limits = http_limits_from_args(args)
+        guard = GuardConfig(max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    except ValueError as exc:
+        print(f"prefixgate replica: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     replica = Replica(
         loaded, engine, served_name, metrics, publisher, chats=SegmentCache(loaded.tokenizer)
     )
-    app = create_app(replica)
+    app = Guard(create_app(replica), guard)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -152,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=int(max(1, args.grace_s)),
         access_log=False,
+        **server_options(limits),
     )
     server = uvicorn.Server(config)
     replica.on_engine_death = lambda: setattr(server, "should_exit", True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -25,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
 from replica.jobs import Job, JobClock, job_from_chat, job_from_completion
@@ -103,7 +103,8 @@ def create_app(replica: Replica) -> FastAPI:
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request failed")
         metrics.request_errors.labels(code="internal_error").inc()
-        body = error_body(f"internal error: {exc}", type="server_error", code="internal_error")
+        message = "The replica failed on this request; retry it, or report the request id."
+        body = error_body(message, type="server_error", code="internal_error")
         return JSONResponse(body, status_code=500)
 
     @app.get("/health")
@@ -177,13 +178,7 @@ def _stop_serving(replica: Replica, exc: BaseException) -> None:
 
 
 async def _json_body(request: Request) -> object:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(
-            f"request body is not valid JSON: {exc}", code="invalid_json", param=None
-        ) from exc
+    return load_json_body(await request.body())
 
 
 def _submit(job: Job, replica: Replica) -> Any:

@@ -1,0 +1,218 @@
+"""What one HTTP client may cost a server: the size and number of its request headers,
+and how long it may take to send its headers and its body. Torch-free.
+
+Both servers run uvicorn over httptools (the C parser), which puts no limit on a
+request's head: a 128 MiB header is buffered and re-concatenated piece by piece while
+the event loop serves nobody else, and a client that stops halfway through its headers
+or body holds its connection for ever (uvicorn's ``timeout_keep_alive`` only covers the
+idle time between requests). ``guarded_protocol(limits)`` is uvicorn's httptools
+protocol with these limits added:
+
+* a head (request line and headers) over ``max_header_bytes``, or with more than
+  ``max_headers`` header lines: 431, connection closed;
+* a head not complete within ``header_timeout_s`` of the connection opening or of the
+  request's first byte: 408, connection closed;
+* a body not complete within ``body_timeout_s`` of the end of its head: 408 when nothing
+  was answered yet, and the connection is closed (the app sees a disconnect).
+
+Time spent while the server itself has paused reading (flow control, pipelining) does
+not count against the client. Every refusal is an OpenAI error envelope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, ClassVar, Literal
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from prefixgate.envflags import add_env_flag
+from prefixgate.wire import error_body
+
+Phase = Literal["head", "body"]
+
+
+@dataclass(slots=True, frozen=True)
+class HttpLimits:
+    max_header_bytes: int = 64 * 1024
+    """Request line plus headers. Browsers and SDKs send a few KiB; nginx refuses heads
+    over 32 KiB by default, Node over 16 KiB."""
+    max_headers: int = 100
+    """Header lines per request (Apache's LimitRequestFields default)."""
+    header_timeout_s: float = 10.0
+    """From the connection opening (or a request's first byte) to the end of its head."""
+    body_timeout_s: float = 60.0
+    """From the end of the head to the end of the body: the gateway's 16 MiB body limit
+    at 280 KiB/s."""
+
+    def __post_init__(self) -> None:
+        if min(self.max_header_bytes, self.max_headers) < 1:
+            raise ValueError("max_header_bytes and max_headers must be positive")
+        if min(self.header_timeout_s, self.body_timeout_s) <= 0:
+            raise ValueError("header_timeout_s and body_timeout_s must be positive")
+
+
+class _Refused(Exception):
+    """Raised inside a parser callback to stop parsing a request that is refused."""
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with ``limits`` enforced (one instance per
+    connection)."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # receiving a request line and headers (or waiting for one)
+        self._head_bytes = 0  # bytes received since this head began (overcounts by <1 read)
+        self._header_lines = 0
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refusal: tuple[int, str] | None = None
+
+    # ------------------------------------------------------------------ transport events
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("head")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            size = f"{self.limits.max_header_bytes // 1024} KiB"
+            self._refuse(431, f"The request's headers are larger than this server's {size}.")
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the parser refused: ours (a callback raised ``_Refused``) or a
+        malformed one, answered as an OpenAI error either way."""
+        status, message = self._refusal or (400, f"{msg} Send a well-formed HTTP/1.1 request.")
+        self._refuse(status, message)
+
+    # ------------------------------------------------------------------ parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        if self._deadline is None:
+            self._arm("head")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_lines += 1
+        if self._header_lines > self.limits.max_headers:
+            limit = self.limits.max_headers
+            self._refusal = (431, f"The request has more than this server's {limit} headers.")
+            raise _Refused
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm()
+        super().on_headers_complete()
+        self._arm("body")  # disarmed at once by on_message_complete when there is none
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_lines = 0
+
+    # ------------------------------------------------------------------ deadlines
+
+    def _arm(self, phase: Phase) -> None:
+        self._disarm()
+        timeout = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
+        self._deadline = self.loop.call_later(timeout, self._timed_out, phase)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self, phase: Phase) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            self._arm(phase)  # we stopped reading, not the client: its clock restarts
+            return
+        timeout = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
+        what = "headers" if phase == "head" else "body"
+        self._refuse(408, f"The request's {what} did not arrive within {timeout:g} s.")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` (unless the app has begun answering) and close."""
+        if self.transport.is_closing():
+            return
+        self._disarm()
+        cycle = self.cycle
+        if self._in_head:  # a new request: answer unless an earlier one is still answering
+            answer = cycle is None or cycle.response_complete
+        else:  # this request's body: answer unless the app has begun to
+            answer = cycle is not None and not cycle.response_started
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app's sends stop; its receive() says disconnect
+            cycle.message_event.set()
+        if answer:
+            self.transport.write(_error_response(status, message))
+        self.transport.close()
+
+
+def _error_response(status: int, message: str) -> bytes:
+    body = json.dumps(error_body(message, code=HTTPStatus(status).phrase.lower().replace(" ", "_")))
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body.encode()
+
+
+def guarded_protocol(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to give uvicorn as ``http=`` for these limits."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+
+
+def server_options(limits: HttpLimits) -> dict[str, Any]:
+    """uvicorn's keyword arguments for a server under ``limits``: httptools (a hard
+    dependency) with the limits, and uvloop when installed."""
+    options: dict[str, Any] = {"http": guarded_protocol(limits)}
+    if importlib.util.find_spec("uvloop") is not None:
+        options["loop"] = "uvloop"
+    return options
+
+
+def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The server CLIs' flags for ``HttpLimits``' timeouts (the byte and line limits are
+    fixed: no legitimate client comes near them)."""
+    defaults = HttpLimits()
+    add_env_flag(
+        parser,
+        "header-timeout-s",
+        type=float,
+        default=defaults.header_timeout_s,
+        help="a client must send a request's headers within this long (else 408, closed)",
+    )
+    add_env_flag(
+        parser,
+        "body-timeout-s",
+        type=float,
+        default=defaults.body_timeout_s,
+        help="a client must send a request's body within this long after its headers",
+    )
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
