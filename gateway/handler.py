@@ -26,6 +26,7 @@ from gateway.exchange import Exchange
 from gateway.proxy import Forward, forward, forward_headers
 from gateway.reply import send_json
 from gateway.state import GatewayState
+from prefixgate.json_body import load_json_object
 from prefixgate.wire import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -89,10 +90,7 @@ async def _serve(
     tenant = state.auth.authenticate(headers.get("authorization"))
     ex.tenant = tenant.name
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise OpenAIError("The request body is not valid JSON.", code="invalid_json") from None
+    body = load_json_object(raw)  # 400 for deep nesting and lone surrogates too
     parsed = parse_request(schema, body)
     assert isinstance(parsed, ChatCompletionRequest | CompletionRequest)
     ex.model = parsed.model

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from prefixgate.wire import OpenAIError
 
@@ -99,3 +100,11 @@ def _invalid(message: str) -> OpenAIError:
 
 def _too_deep(max_depth: int) -> OpenAIError:
     return _invalid(f"The request body nests arrays and objects deeper than {max_depth} levels.")
+
+
+def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """``load_json_body`` for a body that must be a JSON object (every OpenAI request)."""
+    value = load_json_body(raw, max_depth)
+    if not isinstance(value, dict):
+        raise _invalid("The request body must be a JSON object.")
+    return value
