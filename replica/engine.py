@@ -16,17 +16,14 @@ callbacks given to ``on_death`` run, so the server can exit and be restarted.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import math
-import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,10 +31,10 @@ import torch
 
 from replica.attention import PagedBatch, use_paged_attention
 from replica.detokenize import TokenDecoder
+from replica.handle import RequestHandle
 from replica.pool import BlockPool, PoolShape
 from replica.prefix_cache import CacheListener, CacheStats, PrefixCache
 from replica.request import (
-    Delta,
     EngineStopped,
     PromptTooLong,
     QueueFull,
@@ -94,71 +91,6 @@ class EngineConfig:
     ttl_s: float | None = None
     heartbeat_timeout_s: float = 60.0  # ``alive`` turns False if a step takes longer
     check_invariants: bool = False  # assert scheduler + cache invariants after every step
-
-
-class RequestHandle:
-    """A submitted request's stream of deltas and, once finished, its output.
-
-    Deltas go to a thread-safe queue (``__iter__``) and, when ``submit`` was called on a
-    running asyncio loop, also to an asyncio queue on that loop (``__aiter__``)."""
-
-    def __init__(self, request_id: str, prompt_tokens: int) -> None:
-        self.request_id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.output: RequestOutput | None = None
-        self._finished = threading.Event()
-        # None marks the end of the stream.
-        self._sync: queue.SimpleQueue[Delta | None] = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._async: asyncio.Queue[Delta | None] | None = None
-        with contextlib.suppress(RuntimeError):  # no running loop: sync use only
-            self._loop = asyncio.get_running_loop()
-            self._async = asyncio.Queue()
-
-    # Called on the engine thread.
-    def deliver(self, delta: Delta) -> None:
-        self._put(delta)
-
-    def close(self, output: RequestOutput) -> None:
-        self.output = output
-        self._finished.set()
-        self._put(None)
-
-    def _put(self, item: Delta | None) -> None:
-        self._sync.put(item)
-        if self._loop is not None and self._async is not None:
-            # A closed loop raises RuntimeError: nobody is listening there any more.
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._async.put_nowait, item)
-
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
-
-    def __iter__(self) -> Iterator[Delta]:
-        while (item := self._sync.get()) is not None:
-            yield item
-
-    async def __aiter__(self) -> AsyncIterator[Delta]:
-        if self._async is None:  # submitted off-loop: wait in a worker thread
-            while (item := await asyncio.to_thread(self._sync.get)) is not None:
-                yield item
-            return
-        while (item := await self._async.get()) is not None:
-            yield item
-
-    async def result(self) -> RequestOutput:
-        async for _ in self:
-            pass
-        assert self.output is not None
-        return self.output
-
-    def wait(self, timeout: float | None = None) -> RequestOutput:
-        """Block until finished (does not consume the stream)."""
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
-        assert self.output is not None
-        return self.output
 
 
 class Engine:

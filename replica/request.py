@@ -153,7 +153,7 @@ class RequestOutput:
 
 
 class OutputSink(Protocol):
-    """Where a request's deltas and final output go (``engine.RequestHandle``)."""
+    """Where a request's deltas and final output go (``replica.handle.RequestHandle``)."""
 
     def deliver(self, delta: Delta) -> None: ...
 

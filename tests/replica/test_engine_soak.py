@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from replica.engine import Engine, EngineConfig, RequestHandle
+from replica.engine import Engine, EngineConfig
+from replica.handle import RequestHandle
 from replica.models import load_model
 from replica.request import SamplingParams
 
