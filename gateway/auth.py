@@ -15,8 +15,9 @@ The file is JSON or YAML, a mapping from key to tenant settings::
     sk-docs:   {tenant: docs, shared_namespace: true}
     sk-ops:    {tenant: ops, admin: true}
 
-``admin: true`` lets a key call the gateway's operations that affect every tenant
-(``POST /reset_prefix_cache``); in open mode anyone may.
+``admin: true`` lets a key call the gateway's operations that affect every tenant or show
+every tenant's traffic (``POST /reset_prefix_cache``, ``GET /router/stats``); in open
+mode anyone may. Conversation ids are scoped per tenant (``scoped_conversation``).
 """
 
 from __future__ import annotations
@@ -116,6 +117,14 @@ class Authenticator:
         if self._by_digest is None:
             return client_salt or None
         return tenant.salt or None
+
+    def scoped_conversation(self, tenant: Tenant, key: str | None) -> str | None:
+        """The conversation key routing uses. Keyed mode puts the tenant's name in front:
+        two tenants that send the same ``prompt_cache_key`` or session id hold two
+        conversations (neither may steer, or learn where, the other's goes)."""
+        if key is None or self._by_digest is None:
+            return key
+        return f"{tenant.name}\x00{key}"
 
 
 def _digest(key: str) -> bytes:

@@ -114,7 +114,7 @@ async def _serve(
         raw = json.dumps(body, separators=(",", ":")).encode()
 
     prompt = await state.keys.keys(parsed, parsed.model, block_size, salt or "")
-    conversation = conversation_key(body, headers)
+    conversation = state.auth.scoped_conversation(tenant, conversation_key(body, headers))
     request = Forward(
         keys=prompt.keys,
         conversation=conversation,
