@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,23 +78,6 @@ def start_replica(log_dir: Path, *args: str, redis_url: str | None = None) -> Re
         stop_process(proc)
         raise AssertionError("replica did not become healthy:\n" + replica.log_tail()) from None
     return replica
-
-
-def until(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    """Poll ``cond`` (a state check on a live server, not a wait for readiness)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout} s")
-        time.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,10 @@ from replica.pool import BYTES_PER_MB, BlockPool, PoolShape
 SHAPE = PoolShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 
 
-def test_block_bytes_counts_k_and_v_of_every_layer() -> None:
-    assert SHAPE.block_bytes == 2 * 3 * 2 * 4 * 8 * 4
+def test_block_bytes_is_what_each_block_takes_in_the_tensors() -> None:
+    pool = BlockPool(SHAPE, 5, "cpu")
+    in_tensors = sum(kv.numel() * kv.element_size() for kv in pool.kv)
+    assert in_tensors == 5 * SHAPE.block_bytes == pool.nbytes
 
 
 def test_pool_from_budget_allocates_per_layer_tensors_once() -> None:

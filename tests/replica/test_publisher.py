@@ -10,7 +10,6 @@ import asyncio
 import hashlib
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -28,7 +27,7 @@ from router.protocol import (
     short_key,
     snapshot_key,
 )
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, wait_until_async
 
 RID = "r-test"
 
@@ -56,14 +55,6 @@ def _config(url: str, **overrides: float) -> PublisherConfig:
     return cfg
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
 def _events(client: redis.Redis) -> list[BlockEvent]:
     entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(events_stream_key(RID))  # type: ignore[assignment]
     return [BlockEvent.decode(fields) for _, fields in entries]
@@ -87,7 +78,7 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
 
     async def scenario() -> None:
         await pub.start(lambda: load)
-        await _until(lambda: client.exists(replica_info_key(RID)) == 1)
+        await wait_until_async(lambda: client.exists(replica_info_key(RID)) == 1)
         info = ReplicaInfo.decode(client.get(replica_info_key(RID)))  # type: ignore[arg-type]
         assert (info.replica_id, info.url, info.model, info.block_size) == (
             RID,
@@ -106,7 +97,7 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
             pub.on_stored(a, [d])
 
         _in_thread(engine_thread)
-        await _until(lambda: len(_events(client)) == 4)
+        await wait_until_async(lambda: len(_events(client)) == 4)
         events = _events(client)
         assert [e.seq for e in events] == [1, 2, 3, 4]
         assert events[0] == BlockEvent(1, "stored", (short_key(a), short_key(b)), None)
@@ -119,7 +110,7 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
             raw = client.get(snapshot_key(RID))
             return decode_snapshot(raw).seq if raw else -1  # type: ignore[arg-type]
 
-        await _until(lambda: snapshot_seq() == 4)
+        await wait_until_async(lambda: snapshot_seq() == 4)
         snap = decode_snapshot(client.get(snapshot_key(RID)))  # type: ignore[arg-type]
         assert [(blk.parent, blk.key) for blk in snap.blocks] == [
             (None, short_key(a)),
@@ -127,7 +118,7 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
             (short_key(a), short_key(d)),
         ]
         _in_thread(pub.on_cleared)
-        await _until(lambda: len(_events(client)) == 5)
+        await wait_until_async(lambda: len(_events(client)) == 5)
         assert _events(client)[-1] == BlockEvent(5, "cleared")
         await pub.stop()
         # Deregistered at once on a clean stop; the set keeps the id.
@@ -159,7 +150,7 @@ def test_record_expires_when_heartbeats_stop(redis_server: RedisServer) -> None:
 
     async def scenario() -> None:
         await pub.start(ReplicaLoad)
-        await _until(lambda: client.exists(replica_info_key(RID)) == 1)
+        await wait_until_async(lambda: client.exists(replica_info_key(RID)) == 1)
         # A crash: the loops end without deregistering, only the expiry removes the
         # record. (_closing as well as cancel(): redis-py can swallow a cancellation.)
         pub._closing = True
@@ -167,7 +158,7 @@ def test_record_expires_when_heartbeats_stop(redis_server: RedisServer) -> None:
             task.cancel()
         await asyncio.wait(pub._tasks, timeout=5)
         assert all(task.done() for task in pub._tasks)
-        await _until(lambda: client.exists(replica_info_key(RID)) == 0, timeout=5)
+        await wait_until_async(lambda: client.exists(replica_info_key(RID)) == 0, timeout_s=5)
         await pub.stop()
 
     _run(scenario)
@@ -181,9 +172,9 @@ def test_redis_outage_keeps_accepting_events_and_resyncs(
 
     async def scenario() -> None:
         await pub.start(ReplicaLoad)
-        await _until(lambda: pub.stats.connected)
+        await wait_until_async(lambda: pub.stats.connected)
         _in_thread(lambda: pub.on_stored(None, keys[:2]))
-        await _until(lambda: pub.stats.events_published == 1)
+        await wait_until_async(lambda: pub.stats.events_published == 1)
 
         redis_server.stop()
         with caplog.at_level(logging.WARNING, logger="prefixgate.replica.publisher"):
@@ -191,7 +182,7 @@ def test_redis_outage_keeps_accepting_events_and_resyncs(
             for i in range(2, 40, 2):
                 pub.on_stored(keys[i - 1], keys[i : i + 2])
                 await asyncio.sleep(0.02)
-            await _until(lambda: not pub.stats.connected)
+            await wait_until_async(lambda: not pub.stats.connected)
         outage_logs = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(outage_logs) == 1, "an outage is logged once, not per retry"
 
@@ -205,12 +196,12 @@ def test_redis_outage_keeps_accepting_events_and_resyncs(
             snap = decode_snapshot(raw)  # type: ignore[arg-type]
             return snap.seq == pub.stats.seq and len(snap.blocks) == 40
 
-        await _until(snapshot_complete)
-        await _until(lambda: client.exists(replica_info_key(RID)) == 1)
+        await wait_until_async(snapshot_complete)
+        await wait_until_async(lambda: client.exists(replica_info_key(RID)) == 1)
         assert pub.stats.outages == 1
         # New events after the resync continue the same sequence.
         _in_thread(lambda: pub.on_removed([keys[39]]))
-        await _until(lambda: any(e.type == "removed" for e in _events(client)))
+        await wait_until_async(lambda: any(e.type == "removed" for e in _events(client)))
         assert _events(client)[-1].seq == pub.stats.seq
         await pub.stop()
 
@@ -223,7 +214,7 @@ def test_start_without_redis_does_not_fail() -> None:
     async def scenario() -> None:
         await pub.start(ReplicaLoad)
         pub.on_stored(None, [_key(1)])
-        await _until(lambda: pub.stats.outages == 1)
+        await wait_until_async(lambda: pub.stats.outages == 1)
         assert not pub.stats.connected
         await pub.stop()
 

@@ -26,8 +26,8 @@ from router.protocol import (
     short_key,
     snapshot_key,
 )
-from tests.conftest import RedisServer
-from tests.replica.conftest import MODEL, ReplicaProcess, until
+from tests.conftest import RedisServer, wait_until
+from tests.replica.conftest import MODEL, ReplicaProcess
 
 SYSTEM = (
     "You are a careful assistant for a logistics company. Answer in one short sentence, "
@@ -224,7 +224,11 @@ def test_registry_events_and_snapshot_in_redis(
     def stored() -> set[bytes]:
         return {k for e in _events(client, rid) if e.type == "stored" for k in e.keys}
 
-    until(lambda: set(expected) <= stored(), what="stored events for the prompt's blocks")
+    wait_until(
+        lambda: set(expected) <= stored(),
+        timeout_s=15,
+        what="stored events for the prompt's blocks",
+    )
     events = _events(client, rid)
     assert [e.seq for e in events] == list(range(events[0].seq, events[0].seq + len(events)))
     # The chain arrives parents first: each expected key's parent is the key before it.
@@ -245,7 +249,7 @@ def test_registry_events_and_snapshot_in_redis(
         snap = decode_snapshot(raw)  # type: ignore[arg-type]
         return set(expected) <= {b.key for b in snap.blocks}
 
-    until(snapshot_has_prompt, timeout=20, what="snapshot holding the prompt")
+    wait_until(snapshot_has_prompt, timeout_s=20, what="snapshot holding the prompt")
 
 
 def test_reset_prefix_cache_empties_the_cache_and_publishes_cleared(
@@ -266,7 +270,7 @@ def test_reset_prefix_cache_empties_the_cache_and_publishes_cleared(
     def cleared() -> bool:
         return any(e.type == "cleared" and e.seq <= body["seq"] for e in _events(redis_client, rid))
 
-    until(cleared, what="the cleared event in the replica's stream")
+    wait_until(cleared, timeout_s=15, what="the cleared event in the replica's stream")
     again = _chat(client, "Before the reset?")
     assert again.usage.prompt_tokens_details.cached_tokens == 0  # nothing survived it
     assert _chat(client, "Before the reset?").usage.prompt_tokens_details.cached_tokens > 0
@@ -284,7 +288,9 @@ def test_streaming_disconnect_frees_blocks(replica: ReplicaProcess) -> None:
         lines = resp.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         assert replica.cache_stats()["pinned_blocks"] > 0
-    until(lambda: replica.cache_stats()["pinned_blocks"] == 0, what="no pinned blocks")
+    wait_until(
+        lambda: replica.cache_stats()["pinned_blocks"] == 0, timeout_s=15, what="no pinned blocks"
+    )
     assert replica.metric("prefixgate:num_requests_running") == 0
 
 
@@ -297,7 +303,9 @@ def test_non_streaming_disconnect_frees_blocks(replica: ReplicaProcess) -> None:
     }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(replica.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
-    until(lambda: replica.cache_stats()["pinned_blocks"] == 0, what="no pinned blocks")
+    wait_until(
+        lambda: replica.cache_stats()["pinned_blocks"] == 0, timeout_s=15, what="no pinned blocks"
+    )
     assert replica.metric("prefixgate:num_requests_running") == 0
 
 
@@ -314,7 +322,11 @@ def test_redis_restart_mid_run_loses_no_request(
         futures = [pool.submit(one, i) for i in range(6)]
         module_redis.stop()
         futures += [pool.submit(one, i) for i in range(6, 12)]
-        until(lambda: replica.cache_stats()["publisher"]["connected"] is False, what="outage")
+        wait_until(
+            lambda: replica.cache_stats()["publisher"]["connected"] is False,
+            timeout_s=15,
+            what="outage",
+        )
         module_redis.start()
         futures += [pool.submit(one, i) for i in range(12, 16)]
         assert [f.result(timeout=60) for f in futures] == [1] * 16
@@ -328,8 +340,12 @@ def test_redis_restart_mid_run_loses_no_request(
         seq = replica.cache_stats()["publisher"]["seq"]
         return raw is not None and decode_snapshot(raw).seq == seq  # type: ignore[arg-type]
 
-    until(resynced, timeout=20, what="fresh snapshot after the Redis restart")
-    until(lambda: rclient.exists(replica_info_key(rid)) == 1, what="registry record back")
+    wait_until(resynced, timeout_s=20, what="fresh snapshot after the Redis restart")
+    wait_until(
+        lambda: rclient.exists(replica_info_key(rid)) == 1,
+        timeout_s=15,
+        what="registry record back",
+    )
     assert replica.cache_stats()["publisher"]["outages"] == 1
     assert "unreachable" in replica.log_tail(200_000)
 

@@ -23,7 +23,8 @@ from replica.metrics import ReplicaMetrics
 from replica.server import create_app
 from replica.state import Replica
 from router.protocol import ReplicaLoad
-from tests.replica.conftest import MODEL, ReplicaProcess, start_replica, until
+from tests.conftest import wait_until
+from tests.replica.conftest import MODEL, ReplicaProcess, start_replica
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,11 @@ def test_full_waiting_queue_is_503_with_retry_after(replica: ReplicaProcess) -> 
         # The only running slot is taken; the next request waits in the only waiting slot.
         waiting = threading.Thread(target=_long_stream, args=(replica, second_started, stop))
         waiting.start()
-        until(lambda: replica.metric("prefixgate:num_requests_waiting") == 1, what="one waiting")
+        wait_until(
+            lambda: replica.metric("prefixgate:num_requests_waiting") == 1,
+            timeout_s=15,
+            what="one waiting",
+        )
         resp = _post(replica, "/v1/chat/completions", json=_chat_body())
         _error(resp, 503, "queue_full")
         assert resp.headers["retry-after"] == "1"
@@ -168,7 +173,9 @@ def test_full_waiting_queue_is_503_with_retry_after(replica: ReplicaProcess) -> 
         running.join(30)
         # The waiting request starts once the first leaves, then sees `stop` and leaves.
         waiting.join(60)
-    until(lambda: replica.cache_stats()["pinned_blocks"] == 0, what="no pinned blocks")
+    wait_until(
+        lambda: replica.cache_stats()["pinned_blocks"] == 0, timeout_s=15, what="no pinned blocks"
+    )
 
 
 def test_sigterm_finishes_in_flight_request_and_exits_zero(replica: ReplicaProcess) -> None:
