@@ -1,8 +1,7 @@
 """Gateway overhead: the gateway in front of a stub backend vs calling the stub directly.
 
     .venv/bin/python benchmarks/gateway_bench.py [--requests 2000]
-        [--transports http1,aiohttp,httpx,httpx-aiohttp] [--tokenizer smollm2-135m]
-        [--log-level info]
+        [--tokenizer smollm2-135m] [--log-level info]
 
 Stub, gateway and load generator each run in their own process (uvicorn with uvloop and
 httptools where installed; the load generator is aiohttp). For each target it reports p50/p99
@@ -144,7 +143,6 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--serial-requests", type=int, default=500)
-    parser.add_argument("--transports", default="http1,aiohttp,httpx")
     parser.add_argument("--tokenizer", help="the gateway tokenizes with this (e.g. smollm2-135m)")
     parser.add_argument("--log-level", default="info", help="the gateway's (info: access log)")
     parser.add_argument("--loadgen")
@@ -163,14 +161,13 @@ def main() -> int:
         stub_port = free_port()
         stub = start(["-m", "gateway.stub_backend", "--port", str(stub_port)], stub_port, procs)
         targets = {"direct (stub)": stub}
-        for transport in args.transports.split(","):
-            port = free_port()
-            gw_args = ["-m", "prefixgate", "gateway", "--port", str(port), "--replica", stub[0]]
-            gw_args += ["--transport", transport, "--log-level", args.log_level]
-            gw_args += ["--tokenizer", args.tokenizer] if args.tokenizer else []
-            log = open(Path(logs.name) / f"gateway-{transport}.log", "wb")  # noqa: SIM115
-            log_files.append(log)
-            targets[f"gateway ({transport})"] = start(gw_args, port, procs, log)
+        port = free_port()
+        gw_args = ["-m", "prefixgate", "gateway", "--port", str(port), "--replica", stub[0]]
+        gw_args += ["--log-level", args.log_level]
+        gw_args += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+        log = open(Path(logs.name) / "gateway.log", "wb")  # noqa: SIM115
+        log_files.append(log)
+        targets["gateway"] = start(gw_args, port, procs, log)
         print(f"{'target':<24} {'mode':<7} {'conc':>4} {'ttfb p50':>9} {'ttfb p99':>9} "
               f"{'full p50':>9} {'full p99':>9} {'req/s':>7} {'cpu/req':>8} "
               f"{'err':>4}")  # fmt: skip

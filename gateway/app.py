@@ -27,28 +27,15 @@ from gateway.auth import Authenticator, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
-from gateway.http1 import Http1Upstream
 from gateway.metrics import GatewayMetrics
 from gateway.probes import add_static_replicas, learn_static_models, probe_all, probe_loop
 from gateway.routing import KeyBuilder
 from gateway.state import GatewayState
-from gateway.upstream import AiohttpUpstream, HttpxUpstream, Transport, Upstream
+from gateway.upstream import Upstream
 from prefixgate.wire import OpenAIError, error_body
 from router.router import Router
 
 log = logging.getLogger("prefixgate.gateway")
-
-
-def make_upstream(
-    transport: Transport, max_connections: int, connect_timeout_s: float, read_timeout_s: float
-) -> Upstream:
-    if transport == "http1":
-        return Http1Upstream(max_connections, connect_timeout_s, read_timeout_s)
-    if transport == "aiohttp":
-        return AiohttpUpstream(max_connections, connect_timeout_s, read_timeout_s)
-    return HttpxUpstream(
-        max_connections, connect_timeout_s, read_timeout_s, aiohttp_transport=transport != "httpx"
-    )
 
 
 def make_client(config: GatewayConfig) -> httpx.AsyncClient:
@@ -86,11 +73,11 @@ def create_app(
         config=config,
         router=router,
         client=make_client(config),
-        upstream=make_upstream(
-            config.transport,
-            config.max_connections,
+        upstream=Upstream(
+            config.max_connections_per_replica,
             config.connect_timeout_s,
             config.upstream_timeout_s,
+            config.pool_timeout_s,
         ),
         keys=keys or KeyBuilder(config.tokenizer, inline_chars=config.inline_tokenize_chars),
         auth=auth,
@@ -111,7 +98,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             "no --api-keys: the gateway is OPEN (no authentication) and every request "
             "shares one cache namespace; fine for local use only"
         )
-    await state.upstream.start()
     pending = await add_static_replicas(state)
     if config.redis_url:
         from router.sync import RedisSync

@@ -13,7 +13,8 @@ request the same way, and a new path cannot forget to finish or finish twice::
 
 The outcome given to the breaker is a success unless ``fail()`` was called or an
 ``UpstreamError`` left the block: a cancellation (the client left) or a fault of the
-gateway's own is not the replica's.
+gateway's own is not the replica's. A request that never reached the replica
+(``not_sent()``: no free connection in time) gives the breaker no verdict at all.
 """
 
 from __future__ import annotations
@@ -21,12 +22,20 @@ from __future__ import annotations
 import time
 from types import TracebackType
 
-from gateway.upstream import UpstreamError
+from gateway.http1 import UpstreamError
 from router.router import Router
 
 
 class Attempt:
-    __slots__ = ("_router", "failed", "finished", "first_byte_at", "replica_id", "started")
+    __slots__ = (
+        "_router",
+        "failed",
+        "finished",
+        "first_byte_at",
+        "replica_id",
+        "sent",
+        "started",
+    )
 
     def __init__(self, router: Router, replica_id: str) -> None:
         self._router = router
@@ -34,6 +43,7 @@ class Attempt:
         self.started = False
         self.finished = False
         self.failed = False
+        self.sent = True
         self.first_byte_at: float | None = None  # perf_counter() at the answer's head
 
     def __enter__(self) -> Attempt:
@@ -62,10 +72,14 @@ class Attempt:
         """The replica failed this request: the breaker hears of it at the finish."""
         self.failed = True
 
+    def not_sent(self) -> None:
+        """The request never reached the replica: nothing to judge it by."""
+        self.sent = False
+
     def finish(self) -> None:
         """The replica is done with the request (the client may still be receiving it):
         the router stops counting it. Later calls, and the block's end, do nothing."""
         if self.finished or not self.started:
             return
         self.finished = True
-        self._router.request_finished(self.replica_id, ok=not self.failed)
+        self._router.request_finished(self.replica_id, ok=not self.failed if self.sent else None)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
-from gateway.upstream import TRANSPORTS
 from prefixgate.envflags import add_env_flag, add_env_list_flag
 from router.config import RouterConfig, with_options
 
@@ -68,11 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(p, "probe-interval-s", type=float, default=2.0, help="active health checks")
     add_env_flag(
         p,
-        "transport",
-        default="http1",
-        choices=TRANSPORTS,
-        help="HTTP client for forwarded requests: http1 (the gateway's own, fastest), "
-        "aiohttp, or httpx's API over its own transport or aiohttp's",
+        "max-connections-per-replica",
+        type=int,
+        default=1024,
+        help="connections to one replica in use at once (more requests wait for one)",
+    )
+    add_env_flag(
+        p,
+        "pool-timeout-s",
+        type=float,
+        default=5.0,
+        help="longest wait for a free connection to a replica; then another one, or 503",
     )
     add_env_flag(p, "gateway-id", help="this gateway's id in routing hints shared through Redis")
     add_env_flag(p, "log-level", default="info", help="logging level")
@@ -95,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_timeout_s=args.upstream_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
         probe_interval_s=args.probe_interval_s,
-        transport=args.transport,
+        max_connections_per_replica=args.max_connections_per_replica,
+        pool_timeout_s=args.pool_timeout_s,
         gateway_id=args.gateway_id,
     )
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.upstream import Transport
 from router.config import RouterConfig
 from router.policies import POLICIES
 from router.protocol import DEFAULT_BLOCK_SIZE
@@ -34,11 +33,13 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 1.0
-    transport: Transport = "http1"
     gateway_id: str | None = None
     # Prompts longer than this (characters) are tokenized in a worker thread.
     inline_tokenize_chars: int = 8192
-    max_connections: int = 1024
+    # Connections to one replica in use at once; a request finding none free waits up to
+    # pool_timeout_s, then goes to another replica or gets 503 (gateway/upstream.py).
+    max_connections_per_replica: int = 1024
+    pool_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -47,4 +48,8 @@ class GatewayConfig:
             raise ValueError("block_size must be positive")
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
+        if self.max_connections_per_replica < 1:
+            raise ValueError("max_connections_per_replica must be at least 1")
+        if self.pool_timeout_s <= 0:
+            raise ValueError("pool_timeout_s must be positive")
         self.replicas = [url.rstrip("/") for url in self.replicas]

@@ -1,33 +1,48 @@
-"""A minimal HTTP/1.1 client for forwarded requests: asyncio protocols and httptools.
+"""One HTTP/1.1 connection to a replica: asyncio protocol, httptools parser, raw bytes.
 
-Why not aiohttp: on this hot path aiohttp's client spends ~300 µs of CPU per request
-(request and response objects, header multidicts, URL handling, payload registry), this
-one ~65 µs (same stub, concurrency 32; see the report of the gateway performance work).
-It does only what the gateway needs: POST a body it already has, to replicas it knows,
-over pooled keep-alive connections; hand back the status, the raw headers and the body
-(whole or chunk by chunk); close the connection when the body was not read to the end,
-so that the replica sees the client leave.
+Why not aiohttp or httpx: on this hot path aiohttp's client spends ~300 µs of CPU per
+request (request and response objects, header multidicts, URL handling, payload
+registry), this one ~65 µs (docs/BENCHMARKS.md, "Gateway"). It does only what the gateway
+needs: POST a body it already has and hand back the final status, the raw headers and
+the body, whole or chunk by chunk.
+
+What the wire may bring and how each is handled:
+
+* interim ``1xx`` answers (100 Continue, 103 Early Hints) are skipped: the response is
+  the first final (>= 200) one;
+* chunked trailers are dropped: ``headers`` are the head's only, complete before the
+  body, so a header can never arrive after the client got its head;
+* any byte after the end of the answer (a second answer, junk) makes the connection
+  unfit for reuse, as does an answer not read to its end or one the replica will close;
+* ``101`` and malformed bytes are a ``RemoteProtocolError``.
 
 Errors are named as httpx names them (ConnectError, ConnectTimeout, ReadTimeout,
-RemoteProtocolError), so metric labels do not depend on the transport.
+ReadError, RemoteProtocolError), so metric labels read as they would with any client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ssl
-import time
+import select
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.upstream import KEEPALIVE_S, UpstreamError, UpstreamResponse
-
 # Unread body beyond this pauses reading from the replica (a slow client slows it down).
 HIGH_WATER = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """The replica could not be reached, timed out, or broke its answer off; ``kind``
+    names the failure for metrics (httpx's names, and PoolTimeout: no free connection
+    to that replica in time; the request was not sent)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
 
 
 class Target:
@@ -70,6 +85,7 @@ class Connection(asyncio.Protocol):
         self.keep_alive = False  # the replica keeps the connection open after this answer
         self.delimited = False  # Content-Length or chunked: the end is not the close
         self.received = False  # any byte of this response arrived
+        self.extra = False  # bytes arrived after the answer's end
         self.error: UpstreamError | None = None
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
@@ -84,10 +100,15 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        if self.complete:
+            self.extra = True  # nothing may follow an answer on an idle connection
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            self._fail(UpstreamError("RemoteProtocolError"))
+            if not self.complete:
+                self._fail(UpstreamError("RemoteProtocolError"))
+            self.extra = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -99,7 +120,13 @@ class Connection(asyncio.Protocol):
 
     # --------------------------------------------------------------- httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.extra = True  # a second answer to one request
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:
+            return  # a chunked trailer: never passed on
         lowered = name.lower()
         if lowered == b"content-length" or (
             lowered == b"transfer-encoding" and b"chunked" in value.lower()
@@ -108,7 +135,14 @@ class Connection(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            self.headers.clear()
+            self.delimited = False
+            if status == 101:  # we never ask to switch protocols
+                self._fail(UpstreamError("RemoteProtocolError"))
+            return
+        self.status = status
         self.head_done = True
         self._wake()
 
@@ -121,6 +155,8 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if not self.head_done:
+            return  # the end of an interim (1xx) answer; the final one follows
         self.complete = True
         # Asked now: once the message is done the parser forgets its flags.
         self.keep_alive = self.parser.should_keep_alive()
@@ -155,7 +191,30 @@ class Connection(asyncio.Protocol):
         return chunk
 
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and self.error is None and not self.closed
+        """Whether the connection may carry another request: this answer read to its
+        end, nothing after it, and the replica keeps the connection open."""
+        return (
+            self.complete
+            and self.keep_alive
+            and self.error is None
+            and not self.extra
+            and not self.closed
+            and not self.chunks
+        )
+
+    def dropped(self) -> bool:
+        """Whether an idle connection has been closed by the replica or has bytes
+        waiting (both show as a readable socket: a FIN or data nobody asked for).
+        Checked before reuse, so that a request is only written to a connection that
+        was provably open and quiet the moment before."""
+        if self.closed or self.extra or self.transport is None or self.transport.is_closing():
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()  # poll, not select: descriptors may exceed FD_SETSIZE
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def abort(self) -> None:
         self.closed = True
@@ -176,12 +235,15 @@ class Connection(asyncio.Protocol):
             self.waiter.set_result(None)
 
 
-class Http1Response:
-    __slots__ = ("_conn", "_pool", "_released")
+class Response:
+    """A final answer whose head has arrived; the body is read through it. ``close``
+    hands the connection back to ``release`` (its pool), once."""
 
-    def __init__(self, conn: Connection, pool: Http1Upstream) -> None:
+    __slots__ = ("_conn", "_release", "_released")
+
+    def __init__(self, conn: Connection, release: Callable[[Connection], None]) -> None:
         self._conn = conn
-        self._pool = pool
+        self._release = release
         self._released = False
 
     @property
@@ -216,129 +278,8 @@ class Http1Response:
                 await conn.wait()
 
     async def close(self) -> None:
+        """Done with the answer: the connection goes back to the pool when the body was
+        read to the end, and is closed otherwise (the replica sees the client leave)."""
         if not self._released:
             self._released = True
-            self._pool.release(self._conn)
-
-
-class Http1Upstream:
-    """Pooled keep-alive connections per (host, port, tls); at most ``max_connections``
-    open at once (more requests wait for one)."""
-
-    __slots__ = (
-        "_connect_timeout_s",
-        "_idle",
-        "_read_timeout_s",
-        "_slots",
-        "_targets",
-        "_tls_context",
-    )
-
-    def __init__(self, max_connections: int, connect_timeout_s: float, read_timeout_s: float):
-        self._connect_timeout_s = connect_timeout_s
-        self._read_timeout_s = read_timeout_s
-        self._slots = asyncio.Semaphore(max_connections)
-        self._idle: dict[tuple[str, int, bool], list[Connection]] = {}
-        self._targets: dict[str, Target] = {}
-        self._tls_context: ssl.SSLContext | None = None  # built on the first https replica
-
-    async def start(self) -> None:
-        return None
-
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        target = self._targets.get(url)
-        if target is None:
-            if len(self._targets) > 4096:  # replicas come and go; keep this bounded
-                self._targets.clear()
-            target = self._targets[url] = Target(url)
-        lines = [f"POST {target.path} HTTP/1.1\r\nhost: {target.netloc}\r\n"]
-        for name, value in headers.items():
-            if "\r" in value or "\n" in value:
-                raise ValueError(f"header {name!r} has a line break")
-            lines.append(f"{name}: {value}\r\n")
-        lines.append(f"content-length: {len(body)}\r\n\r\n")
-        request = "".join(lines).encode("latin-1") + body
-        await self._slots.acquire()
-        conn: Connection | None = None
-        try:
-            conn = await self._send(target, request)
-        except BaseException:
-            if conn is not None:
-                conn.abort()
-            self._slots.release()
-            raise
-        return Http1Response(conn, self)
-
-    async def _send(self, target: Target, request: bytes) -> Connection:
-        """Send and wait for the response head. A reused connection that the replica had
-        already closed (nothing came back) is replaced once by a fresh one: the replica
-        never saw that request."""
-        conn = self._pooled(target)
-        reused = conn is not None
-        while True:
-            if conn is None:
-                conn = await self._connect(target)
-            try:
-                conn.send(request)
-                while not conn.head_done and conn.error is None:
-                    await conn.wait()
-            except BaseException:
-                conn.abort()  # cancelled: the replica sees the connection go
-                raise
-            if conn.head_done:
-                return conn
-            assert conn.error is not None
-            conn.abort()
-            if not (reused and not conn.received and conn.error.kind != "ReadTimeout"):
-                raise conn.error
-            conn, reused = None, False
-
-    def _pooled(self, target: Target) -> Connection | None:
-        idle = self._idle.get(target.key)
-        now = time.monotonic()
-        while idle:
-            conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < KEEPALIVE_S:
-                return conn
-            conn.abort()
-        return None
-
-    async def _connect(self, target: Target) -> Connection:
-        loop = asyncio.get_running_loop()
-        context = None
-        if target.tls:
-            context = self._tls_context = self._tls_context or ssl.create_default_context()
-        try:
-            transport, conn = await asyncio.wait_for(
-                loop.create_connection(
-                    lambda: Connection(loop, self._read_timeout_s, target.key),
-                    target.host,
-                    target.port,
-                    ssl=context,
-                ),
-                self._connect_timeout_s,
-            )
-        except TimeoutError:
-            raise UpstreamError("ConnectTimeout") from None
-        except OSError as exc:
-            raise UpstreamError("ConnectError") from exc
-        # uvloop may resolve create_connection before it calls connection_made.
-        conn.transport = cast(asyncio.Transport, transport)
-        return conn
-
-    def release(self, conn: Connection) -> None:
-        """The response is done with: keep the connection if its answer was read to the
-        end and the replica keeps it alive; close it otherwise."""
-        if conn.reusable():
-            assert conn.transport is not None
-            conn.idle_since = time.monotonic()
-            self._idle.setdefault(conn.key, []).append(conn)
-        else:
-            conn.abort()
-        self._slots.release()
-
-    async def aclose(self) -> None:
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.abort()
-        self._idle.clear()
+            self._release(self._conn)

@@ -20,9 +20,9 @@ from starlette.types import Send
 
 from gateway.attempt import Attempt
 from gateway.exchange import Exchange
+from gateway.http1 import Response, UpstreamError
 from gateway.reply import error_event, send_bytes, send_error_passthrough, send_json
 from gateway.state import GatewayState
-from gateway.upstream import UpstreamError, UpstreamResponse
 from gateway.usage import SSEScanner, cached_tokens_in
 from prefixgate.wire import OpenAIError, error_body
 from router.router import NoHealthyReplica
@@ -42,6 +42,7 @@ DROPPED_HEADERS = frozenset(
     }
 )
 RETRY_AFTER_S = "1"
+POOL_TIMEOUT = "PoolTimeout"  # UpstreamError.kind: no free connection; nothing was sent
 ATTEMPTS = 2  # the first replica, then the next best once
 
 
@@ -114,7 +115,10 @@ async def _attempt(
     try:
         response = await state.upstream.post(url + request.path, request.body, request.headers)
     except UpstreamError as exc:
-        attempt.fail()
+        if exc.kind == POOL_TIMEOUT:
+            attempt.not_sent()
+        else:
+            attempt.fail()
         state.metrics.upstream_failure(rid, exc.kind)
         return UpstreamFailure(None, b"", f"replica {rid} failed: {exc.kind}", exc.kind)
     attempt.first_byte()
@@ -137,9 +141,18 @@ async def _attempt(
 
 
 async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
-    """After the retry: the last 5xx as it came (OpenAI-shaped), or 502 if none answered."""
+    """After the retry: the last 5xx as it came (OpenAI-shaped), 503 with Retry-After
+    when the last replica tried had no free connection in time, or 502 if none answered."""
     if failure.status is not None:
         await send_error_passthrough(send, failure.status, failure.body, ex)
+        return
+    if failure.kind == POOL_TIMEOUT:
+        body = error_body(
+            f"Every replica tried is at its connection limit ({failure.message}); retry shortly.",
+            type="server_error",
+            code="upstream_busy",
+        )
+        await send_json(send, 503, body, ex, {"Retry-After": RETRY_AFTER_S})
         return
     body = error_body(
         f"Upstream replicas failed before answering ({failure.message}); retry the request.",
@@ -155,7 +168,7 @@ def passed_headers(upstream: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes,
 
 
 async def _send_whole(
-    state: GatewayState, attempt: Attempt, upstream: UpstreamResponse, ex: Exchange, send: Send
+    state: GatewayState, attempt: Attempt, upstream: Response, ex: Exchange, send: Send
 ) -> None:
     """A non-streaming answer (or a 4xx): read it whole, then send it with a
     Content-Length."""
@@ -184,7 +197,7 @@ async def _send_whole(
 
 
 async def _send_stream(
-    state: GatewayState, attempt: Attempt, upstream: UpstreamResponse, ex: Exchange, send: Send
+    state: GatewayState, attempt: Attempt, upstream: Response, ex: Exchange, send: Send
 ) -> None:
     """Pump upstream bytes to the client as they come. Cancelling this (the client left)
     closes the upstream connection mid-answer."""

@@ -1,239 +1,180 @@
-"""The HTTP client for forwarded requests: one pooled keep-alive client per gateway.
+"""The pooled client for forwarded requests: keep-alive HTTP/1.1 connections per replica
+(gateway/http1.py), at most ``max_per_replica`` in use at once on each.
 
-The hot path needs four things from it: send a POST with the client's bytes, the answer's
-status and raw headers, its body whole or chunk by chunk as it arrives, and a close that
-drops the connection when the body was not read to the end (so that the replica sees the
-client leave and frees the request's blocks). ``Upstream`` is that surface.
+A replica whose connections are all busy (a hung one holds them until the read timeout)
+makes only its own requests wait, and only up to ``pool_timeout_s``: then the request
+fails with ``PoolTimeout`` without having been sent, and the proxy tries another replica
+or answers 503 with Retry-After. Other replicas are served meanwhile.
 
-``http1`` (the default) is the gateway's own minimal HTTP/1.1 client (gateway/http1.py).
-``aiohttp`` calls aiohttp directly. ``httpx`` and ``httpx-aiohttp`` go through httpx's
-API, with its own transport or with aiohttp's under it. Per request they cost more CPU in
-that order (benchmarks/gateway_bench.py compares them); the others stay as fallbacks.
+A request is written once. It is sent again only on a connection that the replica closed
+before the request was written (an idle connection found closed or readable is dropped
+and another taken); a request that was written and then got no answer fails: the replica
+may have received it, and whether to retry elsewhere is the proxy's decision.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Protocol
+import asyncio
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import cast
 
-import aiohttp
-import httpx
-
-Transport = Literal["http1", "aiohttp", "httpx", "httpx-aiohttp"]
-TRANSPORTS: tuple[Transport, ...] = ("http1", "aiohttp", "httpx", "httpx-aiohttp")
-
-
-class UpstreamError(Exception):
-    """The replica could not be reached, timed out, or broke its answer off; ``kind``
-    names the failure for metrics, in httpx's terms whatever the transport."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
-
-
-def aiohttp_kind(exc: BaseException) -> str:
-    """aiohttp's failure as httpx names it, so metric labels do not depend on the transport."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return "ConnectTimeout"
-    if isinstance(exc, TimeoutError):
-        return "ReadTimeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "ConnectError"
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return "RemoteProtocolError"
-    if isinstance(exc, aiohttp.ClientOSError):
-        return "ReadError"
-    return type(exc).__name__
-
-
-class UpstreamResponse(Protocol):
-    @property
-    def status(self) -> int: ...
-
-    @property
-    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]: ...
-
-    def content_type(self) -> str: ...
-
-    async def read(self) -> bytes: ...
-
-    def chunks(self) -> AsyncIterator[bytes]: ...
-
-    async def close(self) -> None:
-        """Done with the answer: the connection goes back to the pool when the body was
-        read to the end, and is closed otherwise."""
-        ...
-
-
-class Upstream(Protocol):
-    async def start(self) -> None: ...
-
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """Send; returns once the response head arrived. Raises UpstreamError."""
-        ...
-
-    async def aclose(self) -> None: ...
-
+from gateway.http1 import Connection, Response, Target, UpstreamError
 
 # Uvicorn (vLLM, SGLang, our replicas) drops idle keep-alive connections after 5 s; we let
 # go of them a little earlier, so a pooled connection is rarely dead when it is reused.
 KEEPALIVE_S = 4.0
-
-# aiohttp adds these unless told not to. No Accept-Encoding: the body passes through
-# undecoded, so the replica must answer uncompressed.
-SKIPPED_AUTO_HEADERS = ("Accept-Encoding", "User-Agent", "Accept")
+MAX_TARGETS = 4096  # replicas come and go: parsed URLs and idle pools stay bounded
 
 
-class AiohttpResponse:
-    __slots__ = ("_response",)
+@dataclass(slots=True)
+class ReplicaPool:
+    """One replica's connections: idle ones (most recent last) and the slots in use."""
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-
-    @property
-    def status(self) -> int:
-        return self._response.status
-
-    @property
-    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]:
-        return self._response.raw_headers
-
-    def content_type(self) -> str:
-        return self._response.headers.get("content-type", "")
-
-    async def read(self) -> bytes:
-        try:
-            return await self._response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(aiohttp_kind(exc)) from exc
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        content = self._response.content
-        try:
-            while chunk := await content.readany():
-                yield chunk
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(aiohttp_kind(exc)) from exc
-
-    async def close(self) -> None:
-        if self._response.content.is_eof():
-            self._response.release()
-        else:
-            self._response.close()
+    slots: asyncio.Semaphore
+    in_use: int = 0
+    idle: list[Connection] = field(default_factory=list)
 
 
-class AiohttpUpstream:
-    __slots__ = ("_max_connections", "_session", "_timeout")
-
-    def __init__(self, max_connections: int, connect_timeout_s: float, read_timeout_s: float):
-        self._max_connections = max_connections
-        # sock_read bounds the wait for each next byte, the first one included.
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
-        )
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        # aiohttp binds its session to the running loop: built here, not in __init__.
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=self._max_connections, keepalive_timeout=KEEPALIVE_S
-                ),
-                timeout=self._timeout,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=SKIPPED_AUTO_HEADERS,
-                auto_decompress=False,
-                trust_env=False,
-            )
-
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        if self._session is None:
-            await self.start()
-        assert self._session is not None
-        try:
-            response = await self._session.request("POST", url, data=body, headers=headers)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(aiohttp_kind(exc)) from exc
-        return AiohttpResponse(response)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-class HttpxResponse:
-    __slots__ = ("_response",)
-
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-
-    @property
-    def status(self) -> int:
-        return self._response.status_code
-
-    @property
-    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]:
-        return self._response.headers.raw
-
-    def content_type(self) -> str:
-        return self._response.headers.get("content-type", "")
-
-    async def read(self) -> bytes:
-        try:
-            return await self._response.aread()
-        except httpx.HTTPError as exc:
-            raise UpstreamError(type(exc).__name__) from exc
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._response.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as exc:
-            raise UpstreamError(type(exc).__name__) from exc
-
-    async def close(self) -> None:
-        await self._response.aclose()
-
-
-class HttpxUpstream:
-    __slots__ = ("_client",)
+class Upstream:
+    __slots__ = (
+        "_connect_timeout_s",
+        "_max_per_replica",
+        "_pool_timeout_s",
+        "_pools",
+        "_read_timeout_s",
+        "_targets",
+        "_tls_context",
+    )
 
     def __init__(
         self,
-        max_connections: int,
+        max_per_replica: int,
         connect_timeout_s: float,
         read_timeout_s: float,
-        *,
-        aiohttp_transport: bool,
+        pool_timeout_s: float,
     ) -> None:
-        limits = httpx.Limits(
-            max_connections=max_connections,
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=KEEPALIVE_S,
-        )
-        timeout = httpx.Timeout(
-            connect=connect_timeout_s, read=read_timeout_s, write=read_timeout_s, pool=None
-        )
-        if aiohttp_transport:
-            from httpx_aiohttp import AiohttpTransport
+        if max_per_replica < 1:
+            raise ValueError("max_per_replica must be at least 1")
+        self._max_per_replica = max_per_replica
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._pool_timeout_s = pool_timeout_s
+        self._pools: dict[tuple[str, int, bool], ReplicaPool] = {}
+        self._targets: dict[str, Target] = {}
+        self._tls_context: ssl.SSLContext | None = None  # built on the first https replica
 
-            transport = AiohttpTransport(limits=limits, trust_env=False)
-            self._client = httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False)
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
+        """Send; returns once the final answer's head arrived. Raises UpstreamError."""
+        target = self._target(url)
+        lines = [f"POST {target.path} HTTP/1.1\r\nhost: {target.netloc}\r\n"]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value:
+                raise ValueError(f"header {name!r} has a line break")
+            lines.append(f"{name}: {value}\r\n")
+        lines.append(f"content-length: {len(body)}\r\n\r\n")
+        request = "".join(lines).encode("latin-1") + body
+        pool = await self._acquire(target.key)
+        conn: Connection | None = None
+        try:
+            conn = self._idle(pool) or await self._connect(target)
+            conn.send(request)
+            while not conn.head_done and conn.error is None:
+                await conn.wait()
+            if conn.error is not None:
+                raise conn.error
+        except BaseException:  # failed or cancelled: the replica sees the connection go
+            if conn is not None:
+                conn.abort()
+            self._free(pool)
+            raise
+        return Response(conn, self.release)
+
+    def _target(self, url: str) -> Target:
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= MAX_TARGETS:
+                self._targets.clear()
+            target = self._targets[url] = Target(url)
+        return target
+
+    async def _acquire(self, key: tuple[str, int, bool]) -> ReplicaPool:
+        pool = self._pools.get(key)
+        if pool is None:
+            if len(self._pools) >= MAX_TARGETS:
+                self._prune()
+            pool = self._pools[key] = ReplicaPool(asyncio.Semaphore(self._max_per_replica))
+        if pool.slots.locked():
+            try:
+                async with asyncio.timeout(self._pool_timeout_s):
+                    await pool.slots.acquire()
+            except TimeoutError:
+                raise UpstreamError("PoolTimeout") from None
         else:
-            self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+            await pool.slots.acquire()  # free: returns without waiting
+        pool.in_use += 1
+        return pool
 
-    async def start(self) -> None:
+    def _free(self, pool: ReplicaPool) -> None:
+        pool.in_use -= 1
+        pool.slots.release()
+
+    def _idle(self, pool: ReplicaPool) -> Connection | None:
+        """The most recently used idle connection that is provably open and quiet."""
+        now = time.monotonic()
+        while pool.idle:
+            conn = pool.idle.pop()
+            if now - conn.idle_since < KEEPALIVE_S and not conn.dropped():
+                return conn
+            conn.abort()
         return None
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        request = self._client.build_request("POST", url, content=body, headers=headers)
+    async def _connect(self, target: Target) -> Connection:
+        loop = asyncio.get_running_loop()
+        context = None
+        if target.tls:
+            context = self._tls_context = self._tls_context or ssl.create_default_context()
         try:
-            response = await self._client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise UpstreamError(type(exc).__name__) from exc
-        return HttpxResponse(response)
+            transport, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: Connection(loop, self._read_timeout_s, target.key),
+                    target.host,
+                    target.port,
+                    ssl=context,
+                ),
+                self._connect_timeout_s,
+            )
+        except TimeoutError:
+            raise UpstreamError("ConnectTimeout") from None
+        except OSError as exc:
+            raise UpstreamError("ConnectError") from exc
+        # uvloop may resolve create_connection before it calls connection_made.
+        conn.transport = cast(asyncio.Transport, transport)
+        return conn
+
+    def release(self, conn: Connection) -> None:
+        """The response is done with: keep the connection if it can carry another
+        request (gateway/http1.py, ``Connection.reusable``); close it otherwise."""
+        pool = self._pools.get(conn.key)
+        if conn.reusable() and pool is not None:
+            conn.idle_since = time.monotonic()
+            pool.idle.append(conn)
+        else:
+            conn.abort()
+        if pool is not None:
+            self._free(pool)
+
+    def _prune(self) -> None:
+        """Forget the pools of replicas with nothing in use (their idle connections go)."""
+        for key, pool in list(self._pools.items()):
+            if pool.in_use == 0:
+                for conn in pool.idle:
+                    conn.abort()
+                del self._pools[key]
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for pool in self._pools.values():
+            for conn in pool.idle:
+                conn.abort()
+            pool.idle.clear()

@@ -89,11 +89,11 @@ class Replica:
     connections: int = 0
     open_connections: int = 0
     server: asyncio.Server | None = None
+    port: int = 0
 
     @property
     def url(self) -> str:
-        assert self.server is not None
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return f"http://127.0.0.1:{self.port}"
 
     @property
     def replica_id(self) -> str:
@@ -101,6 +101,7 @@ class Replica:
 
     async def start(self) -> Replica:
         self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
         return self
 
     def close(self) -> None:

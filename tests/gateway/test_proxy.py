@@ -207,3 +207,69 @@ def test_a_client_leaving_closes_the_upstream_connection(stream: bool) -> None:
         replica.close()
 
     run(main())
+
+
+def test_no_free_connection_is_503_with_retry_after_and_others_still_serve() -> None:
+    async def hang(request: Request, r: asyncio.StreamReader, w: Any) -> None:
+        await r.read()  # holds its connection until the gateway drops it
+
+    async def main() -> None:
+        hung, healthy = await Replica(hang).start(), await Replica().start()
+        settings = {"max_connections_per_replica": 1, "pool_timeout_s": 0.3}
+        async with (
+            running_gateway([hung], **settings) as (url, state),
+            running_gateway([hung, healthy], **settings) as (url2, state2),
+            httpx.AsyncClient() as client,
+        ):
+            held = asyncio.create_task(client.post(url + "/v1/completions", json=BODY))
+            await wait_until_async(lambda: hung.posts, what="the hung replica holds a request")
+            r = await client.post(url + "/v1/completions", json=BODY)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "upstream_busy", r.text
+            assert len(hung.posts) == 1  # the second request was never sent there
+            # Behind another gateway with a second replica, once the hung one holds this
+            # gateway's connection too, every request is answered by the other.
+            held2: asyncio.Task[httpx.Response] | None = None
+            while held2 is None:
+                task = asyncio.create_task(client.post(url2 + "/v1/completions", json=BODY))
+
+                def answered_or_held(task: asyncio.Task[httpx.Response] = task) -> bool:
+                    return task.done() or len(hung.posts) == 2
+
+                await wait_until_async(answered_or_held, what="answered or held")
+                held2 = None if task.done() else task
+            for _ in range(4):
+                r = await client.post(url2 + "/v1/completions", json=BODY)
+                assert r.status_code == 200 and r.headers["x-prefixgate-replica"] == (
+                    healthy.replica_id
+                )
+            for task in (held, held2):
+                task.cancel()
+            await asyncio.gather(held, held2, return_exceptions=True)
+            await wait_until_async(
+                lambda: in_flight(state) == in_flight(state2) == 0, what="in flight drained"
+            )
+        hung.close()
+        healthy.close()
+
+    run(main())
+
+
+def test_trailers_and_hop_by_hop_headers_never_reach_the_client() -> None:
+    async def with_trailer(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+        body = completion("t")
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-vendor: kept\r\n")
+        w.write(b"connection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n")
+        w.write(b"%x\r\n%s\r\n0\r\nx-secret: 42\r\n\r\n" % (len(body), body))
+
+    async def main() -> None:
+        replica = await Replica(with_trailer).start()
+        async with running_gateway([replica]) as (url, _), httpx.AsyncClient() as client:
+            for stream in (False, True):
+                r = await client.post(url + "/v1/completions", json={**BODY, "stream": stream})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t"
+                assert r.headers["x-vendor"] == "kept" and "x-secret" not in r.headers
+                assert "x-secret" not in r.text
+        replica.close()
+
+    run(main())
