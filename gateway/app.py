@@ -172,13 +172,8 @@ def _add_routes(app: FastAPI) -> None:
         (gateway/cache_reset.py). Keyed mode: admin keys only. 502 when some replica
         could not be reset."""
         state: GatewayState = request.app.state.gateway
-        try:
-            tenant = state.auth.authenticate(request.headers.get("authorization"))
-        except OpenAIError as err:
-            return JSONResponse(err.body(), err.status, headers=err.headers)
-        if not (state.auth.open or tenant.admin):
-            message = "Resetting the prefix cache affects every tenant: it needs an admin key."
-            return JSONResponse(error_body(message, type="permission_error", code="forbidden"), 403)
+        if denied := _not_admin(state, request, "Resetting the prefix cache affects every tenant"):
+            return denied
         results = await reset_prefix_caches(state)
         failed = sorted(rid for rid, r in results.items() if "error" in r)
         if failed:
@@ -194,7 +189,11 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/router/stats")
     async def router_stats(request: Request) -> Response:
+        """The router's view of every replica. Keyed mode: admin keys only (it shows
+        every tenant's traffic as it grows)."""
         state: GatewayState = request.app.state.gateway
+        if denied := _not_admin(state, request, "The router's stats show every tenant's traffic"):
+            return denied
         return JSONResponse(state.router.stats())
 
     @app.exception_handler(StarletteHTTPException)
@@ -211,6 +210,19 @@ def _denied(state: GatewayState, request: Request) -> Response | None:
     except OpenAIError as err:
         return JSONResponse(err.body(), err.status, headers=err.headers)
     return None
+
+
+def _not_admin(state: GatewayState, request: Request, why: str) -> Response | None:
+    """The 401 or 403 answer when keys are configured and the request has no admin key;
+    ``why`` says what the operation touches."""
+    try:
+        tenant = state.auth.authenticate(request.headers.get("authorization"))
+    except OpenAIError as err:
+        return JSONResponse(err.body(), err.status, headers=err.headers)
+    if state.auth.open or tenant.admin:
+        return None
+    body = error_body(f"{why}: it needs an admin key.", type="permission_error", code="forbidden")
+    return JSONResponse(body, 403)
 
 
 def _model_card(model: str) -> dict[str, Any]:

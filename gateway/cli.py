@@ -15,6 +15,8 @@ from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
 from prefixgate.envflags import add_env_flag, add_env_list_flag
+from prefixgate.guard import Guard, GuardConfig
+from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from router.config import RouterConfig, with_options
 
 
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="longest wait for a free connection to a replica; then another one, or 503",
     )
+    add_http_limit_flags(p)
     add_env_flag(p, "gateway-id", help="this gateway's id in routing hints shared through Redis")
     add_env_flag(p, "log-level", default="info", help="logging level")
     return p
@@ -110,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
+        limits = http_limits_from_args(args)
+        # Keyed mode refuses POST bodies that are not JSON: a browser's cross-site
+        # "simple" request (text/plain, form types) is never served.
+        guard = GuardConfig(config.max_body_bytes, require_json=config.api_keys_path is not None)
     except ValueError as exc:
         print(f"prefixgate gateway: {exc}")
         return 2
@@ -120,14 +127,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from gateway.app import create_app
 
-    options: dict[str, Any] = fast_server_options()
     uvicorn.run(
-        create_app(config),
+        Guard(create_app(config), guard),
         host=config.host,
         port=config.port,
         log_level=args.log_level,
         access_log=False,  # the gateway writes its own structured access log
         proxy_headers=False,  # the front door: no proxy in front to trust, and a cost per request
-        **options,
+        **server_options(limits),
     )
     return 0

@@ -199,7 +199,9 @@ def test_reset_prefix_cache_resets_every_replica_and_every_gateway_view(
     # may still reach it afterwards: those stay optimistic, and expire unconfirmed).
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        other = httpx.get(cluster.keyed_gw.url + "/router/stats").json()["replicas"]
+        other = httpx.get(
+            cluster.keyed_gw.url + "/router/stats", headers={"authorization": "Bearer sk-ops"}
+        ).json()["replicas"]
         if all(v["last_seq"] >= replicas[rid]["seq"] for rid, v in other.items()):
             break
         time.sleep(0.05)  # polling the other gateway's view
