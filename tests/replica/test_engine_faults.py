@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -98,6 +99,7 @@ def test_a_failing_forward_fails_its_step_and_the_engine_goes_on(
     with running(tiny) as engine:
         expected = engine.generate(PROMPT, GREEDY)
         real_forward = engine.scheduler.forward
+        assert real_forward is not None
         calls = 0
 
         def forward_failing_once(
@@ -141,37 +143,88 @@ def test_a_dead_engine_thread_refuses_work_and_ends_what_it_held(
         assert late == [engine.error]
 
 
-WRAPPER = """
-import sys
-from replica.engine import Engine
-from replica.cli import main
-
-def _publish(self):  # the engine's bookkeeping fails once a request is running
-    if self.scheduler.running:
-        raise RuntimeError("bookkeeping failed (injected)")
-    Engine._real_publish(self)
-
-Engine._real_publish = Engine._publish
-Engine._publish = _publish
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_the_replica_process_exits_non_zero_when_its_engine_dies(tmp_path: Path) -> None:
+def _start_wrapped(tmp_path: Path, patch: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """A real replica process (``replica.cli.main``) with ``patch`` applied first."""
     port = free_port()
     args = ["--model", "tiny-random", "--port", str(port), "--num-blocks", "64"]
+    script = f"import sys\n{patch}\nfrom replica.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     log_path = tmp_path / "replica.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", WRAPPER, *args],
+            [sys.executable, "-c", script, *args],
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
         )
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
         wait_http_ok(url + "/health", timeout=180, procs=[proc])
+    except Exception:
+        stop_process(proc)
+        raise AssertionError(log_path.read_text()[-3000:]) from None
+    return proc, url, log_path
+
+
+POISON_TOKEN = 4242
+POISONED_SAMPLING = f"""
+import replica.sampling as sampling
+real = sampling.adjust_logits
+
+def adjust_logits(scores, params, token_ids, num_prompt):
+    if token_ids and token_ids[0] == {POISON_TOKEN}:  # only requests that start with it
+        raise RuntimeError("sampling failed (injected)")
+    return real(scores, params, token_ids, num_prompt)
+
+sampling.adjust_logits = adjust_logits
+"""
+
+
+def test_a_failed_request_is_an_openai_error_and_the_process_serves_on(tmp_path: Path) -> None:
+    proc, url, _ = _start_wrapped(tmp_path, POISONED_SAMPLING)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        poisoned = [POISON_TOKEN, *PROMPT]
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(
+                model="tiny-random", prompt=poisoned, max_tokens=5, temperature=1.0
+            )
+        assert info.value.code == "engine_error" and "goes on" in info.value.message
+        with pytest.raises(openai.APIError, match="failed while sampling"):
+            for _ in client.completions.create(
+                model="tiny-random", prompt=poisoned, max_tokens=5, stream=True, temperature=1.0
+            ):
+                pass
+        body = {"model": "tiny-random", "prompt": poisoned, "max_tokens": 5, "stream": True}
+        body["temperature"] = 1.0
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert '"error"' in events[-2] and events[-1] == "data: [DONE]", events
+        out = client.completions.create(model="tiny-random", prompt=PROMPT, max_tokens=5)
+        assert out.choices[0].finish_reason == "length"
+        stats = httpx.get(url + "/cache/stats", timeout=10).json()
+        assert stats["pinned_blocks"] == 0
+        assert proc.poll() is None
+    finally:
+        stop_process(proc)
+
+
+DYING_BOOKKEEPING = """
+from replica.engine import Engine
+real = Engine._publish
+
+def _publish(self):  # the engine's bookkeeping fails once a request is running
+    if self.scheduler.running:
+        raise RuntimeError("bookkeeping failed (injected)")
+    real(self)
+
+Engine._publish = _publish
+"""
+
+
+def test_the_replica_process_exits_non_zero_when_its_engine_dies(tmp_path: Path) -> None:
+    proc, url, log_path = _start_wrapped(tmp_path, DYING_BOOKKEEPING)
+    try:
         body: dict[str, Any] = {"model": "tiny-random", "prompt": PROMPT, "max_tokens": 50}
         resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert resp.status_code == 500, log_path.read_text()
