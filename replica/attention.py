@@ -23,23 +23,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from replica.pool import BlockPool
+from replica.runner import SeqSlice
 
 PAGED_ATTENTION = "prefixgate_paged"
-
-
-class SeqSlice(NamedTuple):
-    """One sequence's share of a step: compute positions ``start .. start+num_new-1``."""
-
-    block_table: Sequence[int]
-    start: int
-    num_new: int
 
 
 @dataclass(slots=True)

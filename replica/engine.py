@@ -2,7 +2,7 @@
 
 Callers (the server's event loop, tests, benchmarks) talk to the engine only through
 thread-safe methods: ``submit`` validates and queues a request and returns a
-``RequestHandle`` to stream from; ``cancel`` asks for a request to end. All torch work
+``RequestHandle`` to stream from; ``cancel`` asks for a request to end. All model work
 happens on the engine thread, which loops: take new requests and cancellations, run one
 scheduler step, repeat; it sleeps on a condition variable when idle.
 
@@ -25,14 +25,10 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-import torch
-
-from replica.attention import PagedBatch, use_paged_attention
 from replica.detokenize import TokenDecoder
 from replica.handle import RequestHandle
-from replica.pool import BlockPool, PoolShape
 from replica.prefix_cache import CacheListener, CacheStats, PrefixCache
 from replica.request import (
     EngineStopped,
@@ -42,12 +38,12 @@ from replica.request import (
     RequestState,
     SamplingParams,
 )
+from replica.runner import EngineBackend
 from replica.scheduler import Scheduler, SchedulerConfig
 from router.protocol import ReplicaLoad
 
 log = logging.getLogger("prefixgate.replica.engine")
 
-DEFAULT_KV_CACHE_MB = 256
 IDLE_WAIT_S = 0.5  # an idle loop still wakes this often to refresh its heartbeat
 
 
@@ -57,24 +53,13 @@ class EngineTokenizer(TokenDecoder, Protocol):
 
 
 class EngineModel(Protocol):
-    """What the engine needs of ``replica.models.LoadedModel``."""
+    """What the engine needs of a model (``replica.models.LoadedModel``, or the simulated
+    engine's ``replica.sim.model.SimModel``); the step itself is the backend's."""
 
     @property
     def name(self) -> str: ...
     @property
-    def model(self) -> Any: ...  # a transformers PreTrainedModel in eval mode
-    @property
     def tokenizer(self) -> EngineTokenizer: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
     @property
     def max_context(self) -> int: ...
 
@@ -82,7 +67,7 @@ class EngineModel(Protocol):
 @dataclass(slots=True)
 class EngineConfig:
     num_blocks: int | None = None  # wins over kv_cache_mb
-    kv_cache_mb: int | None = None  # DEFAULT_KV_CACHE_MB when both are None
+    kv_cache_mb: int | None = None  # the backend's default budget when both are None
     block_size: int = 16
     max_prefill_tokens_per_step: int = 512
     max_running: int = 64
@@ -99,17 +84,18 @@ class Engine:
         model: EngineModel,
         config: EngineConfig | None = None,
         listener: CacheListener | None = None,
+        backend: EngineBackend | None = None,
     ) -> None:
+        """``backend`` computes the steps (``replica.runner``); by default the built-in
+        one for ``model``, a loaded transformers model (imported here: it needs torch)."""
         self.model = model
         self.config = config = config or EngineConfig()
-        shape = PoolShape(
-            model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, model.dtype
-        )
-        if config.num_blocks is not None:
-            self.pool = BlockPool(shape, config.num_blocks, model.device)
-        else:
-            budget = config.kv_cache_mb if config.kv_cache_mb is not None else DEFAULT_KV_CACHE_MB
-            self.pool = BlockPool.from_budget(shape, budget, model.device)
+        if backend is None:
+            from replica.torch_backend import TorchBackend
+
+            backend = TorchBackend(model, config)  # type: ignore[arg-type]
+        self.backend = backend
+        self.pool = backend.pool
         self.cache = PrefixCache(
             self.pool.num_blocks,
             config.block_size,
@@ -118,14 +104,14 @@ class Engine:
             ttl_s=config.ttl_s,
             listener=listener,
         )
-        use_paged_attention(model.model)
         self._eos = frozenset(model.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(
             self.cache,
             self.pool,
-            self._forward,
+            backend.forward,
             SchedulerConfig(config.max_prefill_tokens_per_step, config.max_running),
             max_context=model.max_context,
+            runner=backend.runner,
         )
         self._lock = threading.Condition()
         self._inbox: list[RequestState] = []  # guarded by _lock
@@ -269,7 +255,7 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            with torch.inference_mode():
+            with self.backend.thread_context():
                 while self._iterate():
                     pass
         except BaseException as exc:
@@ -362,24 +348,11 @@ class Engine:
                 queued_prefill_tokens=sched.queued_prefill_tokens,
             )
 
-    def _forward(
-        self, input_ids: torch.Tensor, batch: PagedBatch, rows: torch.Tensor
-    ) -> torch.Tensor:
-        """input_ids: [T]; rows: [K] -> logits [K, V] (only the rows we sample from)."""
-        out = self.model.model(
-            input_ids=input_ids[None],
-            position_ids=batch.positions[None],
-            use_cache=False,
-            logits_to_keep=rows,
-            paged_batch=batch,
-        )
-        return out.logits[0]  # [K, V]
-
     # ------------------------------------------------------------------------- checks
 
     @property
     def _vocab_size(self) -> int:
-        return int(self.model.model.config.vocab_size)
+        return self.backend.vocab_size
 
     def _check_prompt(self, n: int) -> None:
         if n < 1:

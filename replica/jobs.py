@@ -126,7 +126,7 @@ def _check_model(name: str, replica: Replica) -> str:
 
 
 def _vocab_size(replica: Replica) -> int:
-    return int(replica.loaded.model.config.vocab_size)
+    return int(replica.loaded.vocab_size)
 
 
 def _sampling(

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from replica.detokenize import IncrementalDetokenizer, StopStringMatcher
-
-if TYPE_CHECKING:
-    import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -225,7 +222,7 @@ class SequenceState:
     token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher
-    generator: torch.Generator | None
+    generator: Any  # the backend's per-choice random state (torch.Generator or None)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     shared_tail: bool = False

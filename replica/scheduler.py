@@ -31,20 +31,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
-import torch
-
-from replica.attention import PagedBatch, SeqSlice, build_paged_batch
 from replica.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
-from replica.pool import BlockPool
 from replica.prefix_cache import CacheFull, PrefixCache, PrefixMatch
 from replica.request import Delta, RequestState, SequenceState
-from replica.sampling import make_generator, sample_token
+from replica.runner import BlockLayout, ForwardFn, SeqSlice, StepRunner
 
 log = logging.getLogger("prefixgate.replica.engine")
-
-# (input_ids [T], batch, rows whose logits are wanted [K]) -> logits [K, V]
-ForwardFn = Callable[[torch.Tensor, PagedBatch, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -59,15 +53,28 @@ class Scheduler:
     def __init__(
         self,
         cache: PrefixCache,
-        pool: BlockPool,
-        forward: ForwardFn,
+        pool: BlockLayout,
+        forward: ForwardFn | None,
         config: SchedulerConfig,
         max_context: int,
         clock: Callable[[], float] = time.monotonic,
+        runner: StepRunner | None = None,
     ) -> None:
+        """``runner`` runs each step (``replica.runner``); without one, ``forward`` (the
+        built-in model's, ``(input_ids [T], batch, rows [K]) -> logits [K, V]``) runs
+        inside the torch step, and ``pool`` must be the tensor ``BlockPool``."""
         self.cache = cache
         self.pool = pool
         self.forward = forward
+        if runner is None:
+            if forward is None:
+                raise ValueError("a scheduler needs a forward function or a step runner")
+            from replica.pool import BlockPool  # torch only on this path
+            from replica.torch_backend import TorchStep
+
+            # Calls go through self.forward, so that replacing it takes effect.
+            runner = TorchStep(cast(BlockPool, pool), self._forward)
+        self.runner = runner
         self.config = config
         self.max_context = max_context
         self.clock = clock
@@ -90,7 +97,7 @@ class Scheduler:
                         token_ids=list(request.prompt_token_ids),
                         detokenizer=IncrementalDetokenizer(decoder),
                         stop_matcher=StopStringMatcher(request.params.stop),
-                        generator=make_generator(request.params, i),
+                        generator=self.runner.make_generator(request.params, i),
                     )
                 )
         except Exception as exc:
@@ -191,7 +198,6 @@ class Scheduler:
 
     def _run(self, scheduled: list[SequenceState], plan: dict[int, int]) -> None:
         slices = [SeqSlice(s.block_ids, s.num_computed, plan[id(s)]) for s in scheduled]
-        batch = build_paged_batch(self.pool, slices)
         input_ids: list[int] = []
         rows: list[int] = []
         sampling: list[SequenceState] = []
@@ -200,13 +206,8 @@ class Scheduler:
             if sl.start + sl.num_new == len(seq.token_ids):
                 rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        device = self.pool.device
         try:
-            logits = self.forward(
-                torch.tensor(input_ids, dtype=torch.long, device=device),
-                batch,
-                torch.tensor(rows, dtype=torch.long, device=device),
-            )  # [K, V]
+            logits = self.runner.run(slices, input_ids, rows)  # one item per row
         except Exception as exc:
             for request in {id(s.request): s.request for s in scheduled}.values():
                 self.fail(request, exc, "running the model")
@@ -226,7 +227,11 @@ class Scheduler:
             except Exception as exc:
                 self.fail(request, exc, "sampling")
 
-    def _sample(self, seq: SequenceState, logits: torch.Tensor, now: float) -> None:
+    def _forward(self, input_ids: Any, batch: Any, rows: Any) -> Any:
+        assert self.forward is not None
+        return self.forward(input_ids, batch, rows)
+
+    def _sample(self, seq: SequenceState, logits: Any, now: float) -> None:
         """Draw the next token of ``seq`` (and of its forks, on its first token)."""
         request = seq.request
         targets = [seq]
@@ -235,7 +240,7 @@ class Scheduler:
         if request.first_token_at is None:
             request.first_token_at = now
         for target in targets:
-            token = sample_token(
+            token = self.runner.sample(
                 logits, request.params, target.generator, target.token_ids, target.num_prompt
             )
             self._emit(target, target.append_token(token, self.max_context))
