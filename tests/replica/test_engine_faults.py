@@ -2,9 +2,10 @@
 requests, and a dead engine thread refuses work, ends what it held and takes the replica
 process down with a non-zero status.
 
-Failures that no input can cause any more (a forward that raises, bookkeeping that
-raises between steps) are injected by replacing one engine method; everything else is
-the real engine on tiny-random.
+Failures that no valid input causes (a forward, a sampler or bookkeeping that raises)
+are injected by replacing one function, in the real replica processes through a wrapper
+script that patches it before ``replica.cli.main``; everything else is the real engine
+on tiny-random.
 """
 
 from __future__ import annotations
