@@ -159,7 +159,9 @@ def main() -> int:
     log_files: list[Any] = []
     try:
         stub_port = free_port()
-        stub = start(["-m", "gateway.stub_backend", "--port", str(stub_port)], stub_port, procs)
+        stub = start(
+            ["-m", "tests.support.stub_backend", "--port", str(stub_port)], stub_port, procs
+        )
         targets = {"direct (stub)": stub}
         port = free_port()
         gw_args = ["-m", "prefixgate", "gateway", "--port", str(port), "--replica", stub[0]]

@@ -50,7 +50,7 @@ def start(
 
 def start_stub(workdir: Path, name: str, *flags: str) -> Server:
     port = free_port()
-    args = ["-m", "gateway.stub_backend", "--port", str(port), *flags]
+    args = ["-m", "tests.support.stub_backend", "--port", str(port), *flags]
     return start(args, port, workdir, name)
 
 

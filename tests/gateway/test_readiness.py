@@ -14,7 +14,7 @@ from tests.conftest import wait_until
 from tests.gateway.conftest import start, start_gateway, start_stub
 
 pytestmark = pytest.mark.timeout(120)
-STUB = ["-m", "gateway.stub_backend"]
+STUB = ["-m", "tests.support.stub_backend"]
 
 
 def test_ready_only_after_the_first_successful_probe(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def test_run_then_report(tmp_path: Path) -> None:
 
     port = free_port()
     stub = subprocess.Popen(
-        [sys.executable, "-m", "gateway.stub_backend", "--port", str(port), "--chunks", "2"],
+        [sys.executable, "-m", "tests.support.stub_backend", "--port", str(port), "--chunks", "2"],
         start_new_session=True,
     )
     results = tmp_path / "results.json"

@@ -28,7 +28,7 @@ def start_stub(*flags: str) -> tuple[subprocess.Popen[bytes], str]:
         [
             sys.executable,
             "-m",
-            "gateway.stub_backend",
+            "tests.support.stub_backend",
             "--port",
             str(port),
             "--chunks",

@@ -1,10 +1,11 @@
-"""A tiny, fast OpenAI-compatible stub server (raw ASGI, no framework).
+"""A tiny, fast OpenAI-compatible stub server (raw ASGI, no framework): test and
+benchmark equipment, not part of the product.
 
 Stands in for a foreign backend (vLLM, SGLang: no events, a model we may not tokenize)
 in tests, and for a backend that costs nothing in the latency benchmark, so that the
 figures measure the gateway. Its answers are fixed text; flags make it fail on purpose:
 
-    python -m gateway.stub_backend --port P [--model NAME] [--fail-status 500]
+    python -m tests.support.stub_backend --port P [--model NAME] [--fail-status 500]
         [--fail-body TEXT] [--fail-on TEXT] [--break-after N] [--chunks N]
         [--delay-ms MS] [--health-status 503]
 
@@ -194,7 +195,7 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway.stub_backend")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.stub_backend")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="stub-model")
