@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call: noise
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health probe: noise
     import uvicorn
 
     from gateway.app import create_app

@@ -1,10 +1,10 @@
 """One HTTP/1.1 connection to a replica: asyncio protocol, httptools parser, raw bytes.
 
-Why not aiohttp or httpx: on this hot path aiohttp's client spends ~300 µs of CPU per
-request (request and response objects, header multidicts, URL handling, payload
-registry), this one ~65 µs (docs/BENCHMARKS.md, "Gateway"). It does only what the gateway
-needs: POST a body it already has and hand back the final status, the raw headers and
-the body, whole or chunk by chunk.
+Why its own client: on this hot path a general-purpose client's request and response
+objects, header multidicts and URL handling cost more CPU than everything else the
+gateway does per request (docs/BENCHMARKS.md, "Gateway"). This one does only what the
+gateway needs: POST a body it already has and hand back the final status, the raw
+headers and the body, whole or chunk by chunk.
 
 What the wire may bring and how each is handled:
 
