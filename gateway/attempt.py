@@ -14,7 +14,11 @@ request the same way, and a new path cannot forget to finish or finish twice::
 The outcome given to the breaker is a success unless ``fail()`` was called or an
 ``UpstreamError`` left the block: a cancellation (the client left) or a fault of the
 gateway's own is not the replica's. A request that never reached the replica
-(``not_sent()``: no free connection in time) gives the breaker no verdict at all.
+(``not_sent()``: no free connection in time) gives the breaker no verdict at all. A 5xx
+answer (``server_error()``) gives none at the finish either: whose fault it was depends
+on the request's other attempts, and ``settle_server_errors`` decides once they are over
+(router/health.py, ``attempt_verdicts``: a 5xx that another replica also gave is the
+request's fault).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from types import TracebackType
 
 from gateway.http1 import UpstreamError
+from router.health import AttemptOutcome, attempt_verdicts
 from router.router import Router
 
 
@@ -34,6 +39,7 @@ class Attempt:
         "first_byte_at",
         "replica_id",
         "sent",
+        "server_errored",
         "started",
     )
 
@@ -44,6 +50,7 @@ class Attempt:
         self.finished = False
         self.failed = False
         self.sent = True
+        self.server_errored = False
         self.first_byte_at: float | None = None  # perf_counter() at the answer's head
 
     def __enter__(self) -> Attempt:
@@ -72,6 +79,16 @@ class Attempt:
         """The replica failed this request: the breaker hears of it at the finish."""
         self.failed = True
 
+    def server_error(self) -> None:
+        """The replica answered with a 5xx: judged with the request's other attempts."""
+        self.server_errored = True
+
+    @property
+    def outcome(self) -> AttemptOutcome:
+        if self.server_errored:
+            return "server_error"
+        return "broken" if self.failed else "answered"
+
     def not_sent(self) -> None:
         """The request never reached the replica: nothing to judge it by."""
         self.sent = False
@@ -82,4 +99,17 @@ class Attempt:
         if self.finished or not self.started:
             return
         self.finished = True
-        self._router.request_finished(self.replica_id, ok=not self.failed if self.sent else None)
+        verdict = None if self.server_errored or not self.sent else not self.failed
+        self._router.request_finished(self.replica_id, ok=verdict)
+
+
+def settle_server_errors(router: Router, attempts: list[Attempt]) -> None:
+    """Once a request's attempts are over: charge each 5xx that another replica's answer
+    shows to be the replica's fault (the others were judged at their finish)."""
+    # Attempts that ended without an outcome (never sent, or cancelled before the first
+    # byte when the client left) prove nothing either way.
+    judged = [a for a in attempts if a.sent and (a.failed or a.first_byte_at is not None)]
+    verdicts = attempt_verdicts([a.outcome for a in judged])
+    for attempt, verdict in zip(judged, verdicts, strict=True):
+        if attempt.server_errored and verdict is not None:
+            router.record_outcome(attempt.replica_id, verdict)

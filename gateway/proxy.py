@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from starlette.types import Send
 
-from gateway.attempt import Attempt
+from gateway.attempt import Attempt, settle_server_errors
 from gateway.exchange import Exchange
 from gateway.http1 import Response, UpstreamError
 from gateway.reply import error_event, send_bytes, send_error_passthrough, send_json
@@ -71,6 +71,17 @@ class UpstreamFailure(NamedTuple):
 async def forward(state: GatewayState, ex: Exchange, request: Forward, send: Send) -> None:
     """Route and send; retry once elsewhere if the replica fails before answering."""
     router = state.router
+    attempts: list[Attempt] = []
+    try:
+        await _forward(state, ex, request, send, attempts)
+    finally:
+        settle_server_errors(router, attempts)
+
+
+async def _forward(
+    state: GatewayState, ex: Exchange, request: Forward, send: Send, attempts: list[Attempt]
+) -> None:
+    router = state.router
     tried: list[str] = []
     failure = UpstreamFailure(None, b"", "no replica answered")
     for _ in range(ATTEMPTS):
@@ -99,6 +110,7 @@ async def forward(state: GatewayState, ex: Exchange, request: Forward, send: Sen
         if view is None:  # removed between route() and here
             continue
         with Attempt(router, rid) as attempt:
+            attempts.append(attempt)
             outcome = await _attempt(state, attempt, view.url, request, ex, send)
         if outcome is None:
             return
@@ -124,7 +136,7 @@ async def _attempt(
     attempt.first_byte()
     try:
         if response.status >= 500:
-            attempt.fail()
+            attempt.server_error()
             try:
                 error = await response.read()
             except UpstreamError:

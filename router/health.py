@@ -69,7 +69,11 @@ class CircuitBreaker:
         if self.state == "half_open":
             self.trial_in_flight = True
 
-    def record(self, ok: bool) -> None:
+    def record(self, ok: bool | None) -> None:
+        """A request's or probe's outcome: a success, a failure, or (None) no verdict."""
+        if ok is None:
+            self.record_no_verdict()
+            return
         if ok:
             self.state = "closed"
             self.consecutive_failures = 0

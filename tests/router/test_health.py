@@ -69,7 +69,7 @@ def test_no_verdict_ends_a_half_open_trial_without_closing() -> None:
     assert breaker.allows()
     breaker.on_dispatch()
     assert not breaker.allows()
-    breaker.record_no_verdict()  # the trial's request was at fault, not the replica
+    breaker.record(None)  # the trial's request was at fault, not the replica
     breaker.check_invariants()
     assert breaker.state == "half_open" and breaker.allows()
     breaker.on_dispatch()
