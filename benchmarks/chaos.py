@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,53 +45,10 @@ sys.path.insert(0, str(ROOT))
 from loadtest.chaos_cluster import ChaosCluster  # noqa: E402
 from loadtest.chaos_load import Tally, run_load  # noqa: E402
 from loadtest.chaos_requests import honest, mixed  # noqa: E402
+from loadtest.chaos_row import HEADER, Row  # noqa: E402
 from prefixgate.procs import http_ok  # noqa: E402
 
 SCENARIOS = ("kill", "stop", "redis", "gateway", "soak")
-
-
-@dataclass(slots=True)
-class Row:
-    scenario: str
-    sent: int
-    succeeded: int
-    failed: int
-    hung: int
-    client_saw: str
-    checks: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)  # the checks that did not hold
-    examples: dict[str, str] = field(default_factory=dict)  # what came back, per failure kind
-    seconds: float = 0.0
-
-    @classmethod
-    def of(cls, scenario: str, tally: Tally) -> Row:
-        row = tally.row()
-        return cls(
-            scenario,
-            int(row["sent"]),
-            int(row["succeeded"]),
-            int(row["failed"]),
-            int(row["hung"]),
-            str(row["client saw"]),
-            examples=tally.examples(),
-        )
-
-    def check(self, holds: bool, fact: str) -> None:
-        self.checks.append(fact)
-        if not holds:
-            self.failures.append(fact)
-
-    def markdown(self) -> str:
-        verdict = "pass" if not self.failures else "FAIL: " + "; ".join(self.failures)
-        cells = [self.scenario, self.sent, self.succeeded, self.failed, self.hung]
-        cells += [self.client_saw or "—", "; ".join(self.checks), verdict]
-        return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-HEADER = (
-    "| scenario | sent | succeeded | failed | hung | what clients saw | checks | verdict |\n"
-    "|---|---:|---:|---:|---:|---|---|---|"
-)
 
 
 async def _launch(cfg: argparse.Namespace, name: str) -> ChaosCluster:
@@ -219,24 +176,11 @@ async def redis_outage(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     tally = await load
     row = Row.of(f"Redis killed {cfg.redis_down_s:g} s, restarted", tally)
     row.check(row.failed == 0 and row.hung == 0, f"failed+hung: {row.failed + row.hung}")
-    stale = await asyncio.to_thread(_stale_blocks, cluster)
+    stale = await asyncio.to_thread(cluster.stale_blocks)
+    resyncs = (await asyncio.to_thread(cluster.router_stats)).get("sequence_gaps")
+    row.checks.append(f"gateway resyncs from snapshots: {resyncs}")
     row.check(all(n == 0 for n in stale.values()), f"gateway blocks beyond replica's: {stale}")
     return row
-
-
-def _stale_blocks(cluster: ChaosCluster, settle_s: float = 20.0) -> dict[str, int]:
-    """Per replica, how many more blocks the gateway's view holds than the replica
-    caches, once the view has caught up (polled until it matches, or ``settle_s``)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        view = cluster.router_stats()["replicas"]
-        excess = {}
-        for i in range(cluster.args.replicas):
-            cached = int(cluster.cache_stats(i)["cached_blocks"])
-            excess[cluster.replica_id(i)] = max(0, view[cluster.replica_id(i)]["blocks"] - cached)
-        if not any(excess.values()) or time.monotonic() > deadline:
-            return excess
-        time.sleep(0.5)  # polling interval
 
 
 async def gateway_restart(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
@@ -280,7 +224,7 @@ async def soak(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     hostile = sum(o.hostile is not None for o in tally.outcomes)
     left = tally.count("disconnected")
     row.checks.append(f"hostile {hostile}, abandoned {left}")
-    pinned, in_flight, waited = await asyncio.to_thread(_quiet, cluster)
+    pinned, in_flight, waited = await asyncio.to_thread(cluster.wait_quiet)
     row.check(not any(pinned.values()), f"pinned blocks {pinned} after {waited:.1f} s")
     row.check(in_flight == 0, f"in flight at the gateway {in_flight}")
     alive = [http_ok(f"{url}/health", timeout=2.0) for url in cluster.replica_urls]
@@ -293,23 +237,6 @@ async def soak(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     row.checks.append(f"RSS {growth}")
     row.check(row.failed == 0 and row.hung == 0, f"failed+hung: {row.failed + row.hung}")
     return row
-
-
-def _quiet(cluster: ChaosCluster, timeout_s: float = 30.0) -> tuple[dict[str, int], int, float]:
-    """Pinned blocks per replica and requests in flight at the gateway once both are 0,
-    or as they are after ``timeout_s``; and how long that took."""
-    t0 = time.monotonic()
-    while True:
-        pinned = {
-            cluster.replica_id(i): int(cluster.cache_stats(i)["pinned_blocks"])
-            for i in range(cluster.args.replicas)
-        }
-        view = cluster.router_stats()["replicas"]
-        in_flight = sum(int(v["in_flight"]) for v in view.values())
-        waited = time.monotonic() - t0
-        if (not any(pinned.values()) and in_flight == 0) or waited > timeout_s:
-            return pinned, in_flight, waited
-        time.sleep(0.5)  # polling interval
 
 
 Scenario = Callable[[argparse.Namespace, ChaosCluster], Awaitable[Row]]

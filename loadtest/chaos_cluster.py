@@ -13,6 +13,7 @@ import argparse
 import json
 import signal
 import subprocess
+import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,6 +161,36 @@ class ChaosCluster:
             for i in range(len(self.replica_ports))
         ]
         return max(range(len(blocks)), key=blocks.__getitem__)
+
+    def stale_blocks(self, settle_s: float = 20.0) -> dict[str, int]:
+        """Per replica, how many more blocks the gateway's view holds than the replica
+        caches, once the view has caught up (polled until it matches, or ``settle_s``)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            view = self.router_stats()["replicas"]
+            excess = {}
+            for i in range(self.args.replicas):
+                cached = int(self.cache_stats(i)["cached_blocks"])
+                excess[self.replica_id(i)] = max(0, view[self.replica_id(i)]["blocks"] - cached)
+            if not any(excess.values()) or time.monotonic() > deadline:
+                return excess
+            time.sleep(0.5)  # polling interval
+
+    def wait_quiet(self, timeout_s: float = 30.0) -> tuple[dict[str, int], int, float]:
+        """Pinned blocks per replica and requests in flight at the gateway once both are 0,
+        or as they are after ``timeout_s``; and how long that took."""
+        t0 = time.monotonic()
+        while True:
+            pinned = {
+                self.replica_id(i): int(self.cache_stats(i)["pinned_blocks"])
+                for i in range(self.args.replicas)
+            }
+            view = self.router_stats()["replicas"]
+            in_flight = sum(int(v["in_flight"]) for v in view.values())
+            waited = time.monotonic() - t0
+            if (not any(pinned.values()) and in_flight == 0) or waited > timeout_s:
+                return pinned, in_flight, waited
+            time.sleep(0.5)  # polling interval
 
     def rss_kib(self) -> dict[str, int | None]:
         """Resident memory of every live child (KiB, from /proc), by name."""

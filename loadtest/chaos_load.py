@@ -79,11 +79,13 @@ class Tally:
         return "; ".join(parts) + (f"; {more} more kinds" if more > 0 else "")
 
     def examples(self) -> dict[str, str]:
-        """One ``detail`` per kind of failure: what exactly came back."""
+        """One ``detail`` per kind of failure (and hostile input class, if any): what
+        exactly came back."""
         out: dict[str, str] = {}
         for o in self.outcomes:
-            if o.kind in ("failed", "hung") and o.saw not in out:
-                out[o.saw] = o.detail
+            key = o.saw if o.hostile is None else f"{o.saw} [{o.hostile}]"
+            if o.kind in ("failed", "hung") and key not in out:
+                out[key] = o.detail
         return out
 
     def max_latency_s(self) -> float:
