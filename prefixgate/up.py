@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from prefixgate.models import DEFAULT_MODEL, model_dir
+from prefixgate.envflags import add_env_flag
+from prefixgate.models import DEFAULT_MODEL, SIM_MODEL, model_dir
 from prefixgate.procs import ChildDied, start_redis
 from prefixgate.stack import PIDS_FILE, Child, Stack, pick_ports, report_death
 
@@ -72,6 +73,8 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
         cmd += ["--kv-cache-mb", str(args.kv_cache_mb)]
     if args.num_blocks is not None:
         cmd += ["--num-blocks", str(args.num_blocks)]
+    if args.model == SIM_MODEL and args.sim_profile is not None:
+        cmd += ["--sim-profile", args.sim_profile]
     return cmd
 
 
@@ -194,7 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         default=DEFAULT_MODEL,
         help=f"model every replica serves: {DEFAULT_MODEL} (default), tiny-random, "
-        "or a local Hugging Face model folder",
+        f"a local Hugging Face model folder, or {SIM_MODEL} (the simulated engine: a GPU "
+        "cost model in place of the forward pass, torch-free, dozens per machine)",
+    )
+    add_env_flag(
+        p,
+        "sim-profile",
+        metavar="NAME",
+        help=f"with --model {SIM_MODEL}: the replicas' GPU cost profile or profile .json "
+        "(the replica's default when unset; cost overrides: PREFIXGATE_SIM_* variables)",
     )
     add(
         "--device",

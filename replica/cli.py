@@ -16,12 +16,14 @@ import logging
 import signal
 import sys
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 from prefixgate.envflags import add_env_flag
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from replica.eviction import POLICY_NAMES
+from replica.sim.setup import SIM_MODEL, add_sim_flags, build_sim
 
 log = logging.getLogger("prefixgate.replica")
 
@@ -30,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefixgate replica", description="Serve one model replica with an OpenAI API."
     )
-    add_env_flag(p, "model", default="smollm2-135m", help="builtin model name or local HF folder")
+    add_env_flag(
+        p,
+        "model",
+        default="smollm2-135m",
+        help="builtin model name, local HF folder, or sim (the simulated engine: "
+        "a GPU cost model instead of the forward pass, torch-free; --sim-profile)",
+    )
     add_env_flag(p, "served-model-name", help="model name clients send (default: --model)")
     add_env_flag(p, "host", default="127.0.0.1", help="interface to bind")
     add_env_flag(p, "port", type=int, default=8101, help="port to bind")
@@ -67,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body (413)")
     add_http_limit_flags(p)
+    add_sim_flags(p)
     add_env_flag(
         p,
         "log-level",
@@ -92,13 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # Imported here: they pull in torch, which `prefixgate --help` should not pay for.
+    # Imported here: they take time `prefixgate --help` should not pay for.
     import uvicorn
 
     from prefixgate.segments import SegmentCache
     from replica.engine import Engine, EngineConfig
     from replica.metrics import ReplicaMetrics
-    from replica.models import load_model
     from replica.publisher import Publisher, PublisherConfig
     from replica.server import create_app
     from replica.state import Replica
@@ -106,15 +114,25 @@ def main(argv: list[str] | None = None) -> int:
     advertise_url = args.advertise_url or f"http://{args.host}:{args.port}"
     replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"
 
-    started = time.perf_counter()
-    log.info("loading model %s on %s (dtype %s)", args.model, args.device, args.dtype or "auto")
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    log.info("model %s loaded in %.1f s", loaded.name, time.perf_counter() - started)
-
     served_name = args.served_model_name or args.model
-    # The cache's keys are rooted in the model's name and gateways compute keys from the
-    # name clients send: they must be the same string.
-    loaded = dataclasses.replace(loaded, name=served_name)
+    loaded: Any  # replica.models.LoadedModel, or the simulated engine's SimModel
+    backend = None
+    if args.model == SIM_MODEL:  # torch-free: the forward pass is a cost model
+        try:
+            loaded, backend = build_sim(args, served_name)
+        except ValueError as exc:
+            print(f"prefixgate replica: {exc}", file=sys.stderr)
+            return 2
+    else:
+        from replica.models import load_model  # pulls in torch
+
+        started = time.perf_counter()
+        log.info("loading model %s on %s (dtype %s)", args.model, args.device, args.dtype or "auto")
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        log.info("model %s loaded in %.1f s", loaded.name, time.perf_counter() - started)
+        # The cache's keys are rooted in the model's name and gateways compute keys from
+        # the name clients send: they must be the same string.
+        loaded = dataclasses.replace(loaded, name=served_name)
     publisher = None
     if args.redis_url:
         publisher = Publisher(
@@ -140,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             ttl_s=args.ttl_s,
         ),
         listener=publisher,
+        backend=backend,
     )
     stats = engine.cache.stats()
     log.info(

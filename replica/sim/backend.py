@@ -1,0 +1,145 @@
+"""The simulated engine's backend: every step sleeps what the GPU cost model says and
+draws deterministic pseudo-random tokens. Torch-free.
+
+Everything around it is the real replica: scheduler (continuous batching, chunked
+prefill, preemption), prefix cache, block accounting, publisher, server. Only the pool
+holds no tensors (``SimPool``: a size, and copy-on-write that copies nothing).
+
+Tokens come from the real tokenizer's vocabulary minus its special tokens, so replies
+detokenize to real text, stop strings work and usage counts are true, and a reply ends
+by ``max_tokens`` or a stop string, never by an end-of-sequence token. The next token is
+a hash of the choice's stream (its seed + index, or its index), the sequence length and
+its last three tokens: the same prompt gives the same reply on every replica and every
+run, whatever shares its batch. Temperature, top-p/top-k, penalties and logit bias do
+not change what is drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from replica.request import SamplingParams
+from replica.runner import SeqSlice
+from replica.sim.profile import SimProfile
+
+if TYPE_CHECKING:
+    from prefixgate.tokenizer import ChatTokenizer
+
+MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(slots=True)
+class SimPool:
+    """A block pool without tensors: the scheduler's and the cache's view is the same."""
+
+    block_size: int
+    num_blocks: int
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write has nothing to copy: blocks hold no data here."""
+
+
+@dataclass(slots=True)
+class SimModel:
+    """What the server and the engine need of a model: its name, tokenizer and context."""
+
+    name: str
+    tokenizer: ChatTokenizer
+    max_context: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
+def output_vocabulary(tokenizer: ChatTokenizer) -> list[int]:
+    """Every token id but the special (added) ones, in id order."""
+    special = set(tokenizer.tokenizer.get_added_tokens_decoder())
+    return [i for i in range(tokenizer.vocab_size) if i not in special]
+
+
+@dataclass(slots=True)
+class SimStats:
+    steps: int = 0
+    busy_s: float = 0.0  # simulated device time slept
+
+
+@dataclass(slots=True)
+class SimBackend:
+    """A ``replica.runner.EngineBackend`` and ``StepRunner`` that sleeps each step.
+
+    ``sleep`` is injectable: a test passes one that advances a fake clock (the same one
+    the scheduler reads), so step times are checked exactly, not against wall time."""
+
+    profile: SimProfile
+    pool: SimPool
+    vocabulary: Sequence[int]  # ids a reply may contain
+    vocab_size: int  # ids a prompt may contain
+    sleep: Callable[[float], None] = time.sleep
+    stats: SimStats = field(default_factory=SimStats)
+
+    forward = None  # the whole step is ``run``
+
+    @property
+    def runner(self) -> SimBackend:
+        return self
+
+    def thread_context(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def make_generator(self, params: SamplingParams, index: int) -> int:
+        """The choice's stream id: seed + index when seeded, else the index."""
+        return ((params.seed or 0) + index) & MASK64
+
+    def run(self, slices: Sequence[SeqSlice], input_ids: list[int], rows: list[int]) -> list[int]:
+        seconds = self.profile.step_s((s.start, s.num_new) for s in slices)
+        self.stats.steps += 1
+        self.stats.busy_s += seconds
+        self.sleep(seconds)
+        return rows
+
+    def sample(
+        self,
+        row: Any,
+        params: SamplingParams,
+        generator: Any,
+        token_ids: Sequence[int],
+        num_prompt: int,
+    ) -> int:
+        h = _mix(int(generator) ^ len(token_ids))
+        for token in token_ids[-3:]:
+            h = _mix(h ^ token)
+        return self.vocabulary[h % len(self.vocabulary)]
+
+
+def sim_backend(
+    profile: SimProfile,
+    tokenizer: ChatTokenizer,
+    block_size: int,
+    *,
+    kv_cache_mb: float | None = None,
+    num_blocks: int | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> SimBackend:
+    """The backend for ``profile``: its pool sized as ``SimProfile.num_blocks`` says."""
+    blocks = profile.num_blocks(block_size, kv_cache_mb=kv_cache_mb, num_blocks=num_blocks)
+    return SimBackend(
+        profile,
+        SimPool(block_size, blocks),
+        output_vocabulary(tokenizer),
+        tokenizer.vocab_size,
+        sleep,
+    )
