@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.auth import derived_salt
 from prefixgate.procs import free_port
+from tests.conftest import wait_until
 from tests.gateway.conftest import Server, start_gateway, start_stub, write_api_keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -267,13 +267,12 @@ def test_client_leaving_a_plain_request_cancels_it_upstream(stack: Stack) -> Non
     replica = stack.slow.url.removeprefix("http://")
     gone = f'endpoint="chat",replica="{replica}",status="499"'
     idle = f'prefixgate_gateway_replica_in_flight{{replica="{replica}"}} 0.0'
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def left_and_idle() -> bool:
         metrics = httpx.get(stack.gw.url + "/metrics").text
-        if gone in metrics and idle in metrics:
-            break
-        time.sleep(0.05)  # polling the gateway's metrics
-    assert gone in metrics and idle in metrics
+        return gone in metrics and idle in metrics
+
+    wait_until(left_and_idle, what="the request recorded as 499 and nothing in flight")
 
 
 def test_health_ready_metrics(stack: Stack) -> None:

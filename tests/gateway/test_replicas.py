@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway.auth import derived_salt
 from prefixgate.tokenizer import ChatTokenizer
 from router.protocol import BlockEvent, KeySpace, events_stream_key, short_key
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, wait_until
 from tests.gateway.conftest import Server, start_gateway, start_replica, write_api_keys
 
 pytestmark = pytest.mark.timeout(240)
@@ -121,16 +121,17 @@ def test_gateway_keys_equal_the_replica_keys(cluster: Cluster, module_redis: Red
         .endswith(f"/{len(expected)}")
     )
     r = redis.Redis.from_url(module_redis.url)
-    stored: set[bytes] = set()
-    deadline = time.monotonic() + 10
-    while not set(expected) <= stored and time.monotonic() < deadline:
-        for rid in (replica,):  # the replica the gateway says served it
-            for _, fields in r.xrange(events_stream_key(rid)) or []:
-                event = BlockEvent.decode(fields)  # type: ignore[arg-type]
-                if event.type == "stored":
-                    stored.update(event.keys)
-        time.sleep(0.05)  # polling the stream for the replica's asynchronous publish
-    assert set(expected) <= stored, f"replica {replica} did not store the gateway's keys"
+
+    def stored() -> set[bytes]:
+        """The keys that the replica the gateway names has published as stored."""
+        keys: set[bytes] = set()
+        for _, fields in r.xrange(events_stream_key(replica)) or []:
+            event = BlockEvent.decode(fields)  # type: ignore[arg-type]
+            if event.type == "stored":
+                keys.update(event.keys)
+        return keys
+
+    wait_until(lambda: set(expected) <= stored(), what=f"{replica} storing the gateway's keys")
 
 
 def test_tenants_do_not_share_cached_prefixes(cluster: Cluster) -> None:
@@ -162,13 +163,11 @@ def test_client_disconnect_frees_the_replica_blocks(cluster: Cluster) -> None:
         replica = cluster.replica_by_header(r.headers["x-prefixgate-replica"])
         next(r.iter_raw())  # the first chunk arrived: generation is running
     # The replica notices at its next engine step; on a loaded 2-core box that can be slow.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        stats = httpx.get(replica.url + "/cache/stats").json()
-        if stats["pinned_blocks"] == 0:
-            break
-        time.sleep(0.05)  # polling the replica's stats
-    assert stats["pinned_blocks"] == 0, stats
+    wait_until(
+        lambda: httpx.get(replica.url + "/cache/stats").json()["pinned_blocks"] == 0,
+        timeout_s=60,
+        what="no pinned blocks on the replica",
+    )
 
 
 def test_reset_prefix_cache_resets_every_replica_and_every_gateway_view(
@@ -195,16 +194,19 @@ def test_reset_prefix_cache_resets_every_replica_and_every_gateway_view(
     for rid, view in stats["replicas"].items():
         assert view["blocks"] == 0 and view["last_seq"] >= replicas[rid]["seq"], stats
     assert stats["remembered_conversations"] == 0
+
     # Another gateway learns it from the events (hints of the requests before the reset
     # may still reach it afterwards: those stay optimistic, and expire unconfirmed).
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def other_view() -> dict[str, dict[str, int]]:
+        """The other gateway's replica views once it has folded in both cleared events
+        (empty until then)."""
         other = httpx.get(
             cluster.keyed_gw.url + "/router/stats", headers={"authorization": "Bearer sk-ops"}
         ).json()["replicas"]
-        if all(v["last_seq"] >= replicas[rid]["seq"] for rid, v in other.items()):
-            break
-        time.sleep(0.05)  # polling the other gateway's view
+        caught_up = all(v["last_seq"] >= replicas[rid]["seq"] for rid, v in other.items())
+        return other if caught_up else {}
+
+    other = wait_until(other_view, what="the other gateway folding in the cleared events")
     assert all(v["blocks"] == v["optimistic_blocks"] for v in other.values()), other
 
     admin = httpx.post(keyed, headers={"authorization": "Bearer sk-ops"}, timeout=60)
