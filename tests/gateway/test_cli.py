@@ -1,0 +1,42 @@
+"""``prefixgate gateway``'s flags reach the configuration (gateway/cli.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.cli import build_parser, config_from_args
+from router.config import RouterConfig
+
+
+def test_router_options_reach_the_router_config_with_clear_errors() -> None:
+    args = build_parser().parse_args(
+        ["--router-option", "load_slack=0.25", "--router-option", "share-slack=0.15"]
+    )
+    config = config_from_args(args).router
+    assert (config.load_slack, config.share_slack) == (0.25, 0.15)
+    assert config.load_abs_slack == RouterConfig().load_abs_slack  # the rest: defaults
+    off = build_parser().parse_args(["--router-option", "share_slack=off"])
+    assert config_from_args(off).router.share_slack is None
+    for bad, says in (
+        ("no_such=1", "NAME one of"),
+        ("load_slack", "NAME=VALUE"),
+        ("load_abs_slack=1.5", "is not a valid int"),
+        ("load_slack=-1", "non-negative"),
+        ("load_slack=off", "is not a valid float"),  # only share_slack can be off
+    ):
+        with pytest.raises(ValueError, match=says):
+            config_from_args(build_parser().parse_args(["--router-option", bad]))
+
+
+def test_connection_limits_reach_the_config_and_bad_ones_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = config_from_args(build_parser().parse_args([]))
+    assert (config.max_connections_per_replica, config.pool_timeout_s) == (1024, 5.0)
+    monkeypatch.setenv("PREFIXGATE_POOL_TIMEOUT_S", "0.5")
+    args = build_parser().parse_args(["--max-connections-per-replica", "8"])
+    config = config_from_args(args)
+    assert (config.max_connections_per_replica, config.pool_timeout_s) == (8, 0.5)
+    for flag, value in (("--max-connections-per-replica", "0"), ("--pool-timeout-s", "0")):
+        with pytest.raises(ValueError, match=flag.removeprefix("--").replace("-", "_")):
+            config_from_args(build_parser().parse_args([flag, value]))

@@ -1,0 +1,30 @@
+"""The cache usage read from passing answers (gateway/usage.py)."""
+
+from __future__ import annotations
+
+import json
+
+from gateway.usage import SSEScanner, cached_tokens_in
+
+
+def test_sse_scanner_across_chunk_boundaries() -> None:
+    usage = {"usage": {"prompt_tokens_details": {"cached_tokens": 32}}}
+    stream = b"data: {}\n\n" + b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"
+    scanner = SSEScanner()
+    for i in range(0, len(stream), 7):
+        scanner.feed(stream[i : i + 7])
+    assert scanner.done and scanner.cached_tokens == 32
+    assert cached_tokens_in(b'{"usage":null}') is None
+
+
+def test_cached_tokens_in_answers_whatever_their_shape() -> None:
+    def body(usage: object, content: str = "hi") -> bytes:
+        return json.dumps({"choices": [{"text": content}], "usage": usage}).encode()
+
+    details = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}
+    assert cached_tokens_in(body(details)) == 7
+    assert cached_tokens_in(json.dumps({"usage": details}, indent=2).encode()) == 7
+    quoted = '"prompt_tokens_details": {"cached_tokens": 99}'  # text, not the usage
+    assert cached_tokens_in(body(details, content=quoted)) == 7
+    assert cached_tokens_in(body({"prompt_tokens_details": None}, content=quoted)) is None
+    assert cached_tokens_in(body({"prompt_tokens_details": {"cached_tokens": None}})) is None
