@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/chaos.py [--scenario kill|stop|redis|gateway|soak ...]
         [--replicas 3] [--clients 16] [--soak-requests 10000] [--stop-s 20]
-        [--redis-down-s 60] [--out runs/chaos/chaos.json]
+        [--redis-down-s 60] [--soak-max-s 1800] [--out runs/chaos/chaos.json]
 
 Each scenario starts its own cluster on loopback (Redis, ``--replicas`` tiny-random
 replicas, one gateway: ``loadtest.chaos_cluster``), drives it with ``--clients``
@@ -216,11 +216,14 @@ async def soak(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     await run_load(cluster.gateway_url, honest(cfg.model), 4, cfg.client_timeout_s, warm, 40)
     rss_start = cluster.rss_kib()
     stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(cfg.soak_max_s, stop.set)  # the time bound
     make = mixed(cfg.model, hostile_share=0.15, disconnect_share=0.15)
     tally = await run_load(
         cluster.gateway_url, make, cfg.clients, cfg.client_timeout_s, stop, cfg.soak_requests
     )
     row = Row.of(f"soak: {cfg.soak_requests} requests, 15% hostile, 15% abandoned", tally)
+    sent = len(tally.outcomes)
+    row.check(sent == cfg.soak_requests, f"{sent} sent within {cfg.soak_max_s:g} s")
     hostile = sum(o.hostile is not None for o in tally.outcomes)
     left = tally.count("disconnected")
     row.checks.append(f"hostile {hostile}, abandoned {left}")
@@ -279,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-s", type=float, default=20.0, help="how long SIGSTOP lasts")
     p.add_argument("--redis-down-s", type=float, default=60.0)
     p.add_argument("--soak-requests", type=int, default=10_000)
+    p.add_argument("--soak-max-s", type=float, default=1800.0, help="the soak stops then")
     p.add_argument("--run-root", type=Path, default=Path("runs/chaos"), help="logs")
     p.add_argument("--out", type=Path, default=Path("runs/chaos/chaos.json"))
     return p

@@ -30,6 +30,7 @@ from typing import Literal, NamedTuple
 import httpx
 
 Kind = Literal["ok", "failed", "hung", "disconnected"]
+REFUSED_PAUSE_S = 0.1  # a client's pause after a refused connection, as retrying clients do
 
 
 class RequestSpec(NamedTuple):
@@ -123,7 +124,8 @@ async def run_load(
     seed: int = 0,
 ) -> Tally:
     """``clients`` concurrent request loops until ``stop`` is set or ``budget`` requests
-    have been sent (each loop finishes its request in hand)."""
+    have been sent (each loop finishes its request in hand, and pauses briefly after a
+    refused connection rather than spinning on a server that is down)."""
     started = time.perf_counter()
     outcomes: list[Outcome] = []
     issued = 0
@@ -136,7 +138,10 @@ async def run_load(
             while not stop.is_set() and (budget is None or issued < budget):
                 issued += 1
                 spec = make(rng)
-                outcomes.append(await _one(client, spec, started, timeout_s))
+                outcome = await _one(client, spec, started, timeout_s)
+                outcomes.append(outcome)
+                if outcome.saw == "connection refused":
+                    await asyncio.sleep(REFUSED_PAUSE_S)
 
         await asyncio.gather(*(loop(i) for i in range(clients)))
     return Tally(outcomes, started)
