@@ -1,0 +1,216 @@
+"""Running one accepted request: submit it to the engine, answer with its completion.
+
+Streamed as server-sent events or whole; either way a client that leaves frees the
+request's blocks at once, and an engine failure becomes an OpenAI error (a 500, or in a
+stream an error event before ``[DONE]``). Refusals from the engine (queue full, shutting
+down, prompt too long) become the matching OpenAI errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from prefixgate.wire import OpenAIError
+from replica import openai_format as fmt
+from replica.handle import RequestHandle
+from replica.jobs import Job, JobClock
+from replica.request import EngineStopped, PromptTooLong, QueueFull, RequestOutput
+from replica.state import Replica
+
+log = logging.getLogger("prefixgate.replica.server")
+
+
+def _submit(job: Job, replica: Replica) -> RequestHandle:
+    try:
+        handle: RequestHandle = replica.engine.submit(
+            job.prompt_ids, job.params, salt=job.salt, request_id=job.engine_request_id
+        )
+    except QueueFull as exc:
+        raise OpenAIError(
+            f"the replica's waiting queue is full ({exc}); retry shortly",
+            status=503,
+            type="server_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from exc
+    except EngineStopped as exc:  # stopping (SIGTERM) or its engine died: go elsewhere
+        raise OpenAIError(
+            f"the replica is shutting down ({exc}); retry on another replica",
+            status=503,
+            type="server_error",
+            code="shutting_down",
+            headers={"Retry-After": "1"},
+        ) from exc
+    except PromptTooLong as exc:
+        raise OpenAIError(
+            str(exc), param="messages" if job.chat else "prompt", code="context_length_exceeded"
+        ) from exc
+    except ValueError as exc:
+        raise OpenAIError(str(exc), code="invalid_value") from exc
+    return handle
+
+
+async def run_job(job: Job, request: Request, replica: Replica) -> Response:
+    """Submit ``job``, answer with its completion (streamed or whole); the request's
+    blocks are freed as soon as the client leaves."""
+    clock = JobClock(start=time.perf_counter())
+    handle = _submit(job, replica)
+    if job.stream:
+        return StreamingResponse(
+            _stream(job, handle, clock, replica),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            # Runs after the stream ends or the client leaves, even when the client left
+            # before the generator started (its `finally` then never runs).
+            background=BackgroundTask(_cancel_unfinished, handle, job, replica),
+        )
+    collect = asyncio.create_task(_collect(handle, clock, replica))
+    gone = asyncio.create_task(_client_gone(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not collect.done():
+            # The client left (or we are cancelled by shutdown): free the blocks now.
+            replica.engine.cancel(job.engine_request_id)
+            collect.cancel()
+        gone.cancel()
+    if not collect.done() or collect.cancelled():
+        return Response(status_code=499)
+    output = collect.result()
+    if output.error is not None:
+        raise _engine_error(output.error)
+    _observe(job, output, clock, replica)
+    return JSONResponse(_full_body(job, output))
+
+
+def _engine_error(message: str) -> OpenAIError:
+    """A request the engine failed (never the client's input: that is checked first)."""
+    return OpenAIError(message, status=500, type="server_error", code="engine_error")
+
+
+def _cancel_unfinished(handle: RequestHandle, job: Job, replica: Replica) -> None:
+    if not handle.finished:
+        replica.engine.cancel(job.engine_request_id)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(handle: RequestHandle, clock: JobClock, replica: Replica) -> RequestOutput:
+    async for delta in handle:
+        clock.tick(len(delta.token_ids), replica.metrics)
+    return _output(handle)
+
+
+def _output(handle: RequestHandle) -> RequestOutput:
+    """The finished request's output; the delta stream has been consumed to its end."""
+    output: RequestOutput | None = handle.output
+    assert output is not None, "the stream ended, so the engine closed the handle"
+    return output
+
+
+def _full_body(job: Job, output: RequestOutput) -> dict[str, Any]:
+    choices = [
+        fmt.Choice(c.index, job.echo_prefix + c.text, c.finish_reason) for c in output.choices
+    ]
+    use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+    build = fmt.chat_completion if job.chat else fmt.text_completion
+    return build(job.response_id, job.model, job.created, choices, use)
+
+
+async def _stream(
+    job: Job, handle: RequestHandle, clock: JobClock, replica: Replica
+) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        for index in range(job.params.n):
+            if job.chat:
+                yield fmt.sse(
+                    fmt.chat_chunk(
+                        job.response_id, job.model, job.created, index, role="assistant", content=""
+                    )
+                )
+            elif job.echo_prefix:
+                yield fmt.sse(
+                    fmt.text_chunk(
+                        job.response_id, job.model, job.created, index, job.echo_prefix, None
+                    )
+                )
+        async for delta in handle:
+            clock.tick(len(delta.token_ids), replica.metrics)
+            if not delta.text and delta.finish_reason is None:
+                continue
+            if job.chat:
+                chunk = fmt.chat_chunk(
+                    job.response_id,
+                    job.model,
+                    job.created,
+                    delta.index,
+                    content=delta.text or None,
+                    finish_reason=delta.finish_reason,
+                )
+            else:
+                chunk = fmt.text_chunk(
+                    job.response_id,
+                    job.model,
+                    job.created,
+                    delta.index,
+                    delta.text,
+                    delta.finish_reason,
+                )
+            yield fmt.sse(chunk)
+        output = _output(handle)
+        finished = True
+        if output.error is not None:
+            # Headers are sent: the error goes in the stream, as OpenAI's does.
+            error = _engine_error(output.error)
+            replica.metrics.request_errors.labels(code=error.code).inc()
+            yield fmt.sse(error.body())
+            yield fmt.SSE_DONE
+            return
+        _observe(job, output, clock, replica)
+        if job.include_usage:
+            use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
+            obj = "chat.completion.chunk" if job.chat else "text_completion"
+            yield fmt.sse(fmt.usage_chunk(job.response_id, job.model, job.created, obj, use))
+        yield fmt.SSE_DONE
+    finally:
+        if not finished:
+            # Client gone (the generator is cancelled or closed): free the blocks at once.
+            replica.engine.cancel(job.engine_request_id)
+
+
+def _observe(job: Job, output: RequestOutput, clock: JobClock, replica: Replica) -> None:
+    t = output.timings
+    log.debug(
+        "%s done: prompt %d (cached %d), completion %d, ttft %.1f ms, total %.1f ms, %s",
+        job.response_id,
+        output.prompt_tokens,
+        output.cached_tokens,
+        output.completion_tokens,
+        1000 * ((clock.first or clock.start) - clock.start),
+        1000 * (time.perf_counter() - clock.start),
+        ",".join(c.finish_reason for c in output.choices),
+    )
+    replica.metrics.observe_finished(
+        prompt_tokens=output.prompt_tokens,
+        cached_tokens=output.cached_tokens,
+        generation_tokens=output.completion_tokens,
+        finish_reasons=[c.finish_reason for c in output.choices],
+        e2e_s=time.perf_counter() - clock.start,
+        queued_s=t.queued_s,
+        prefill_s=t.prefill_s,
+    )
