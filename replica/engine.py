@@ -24,9 +24,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from replica.config import EngineConfig
 from replica.detokenize import TokenDecoder
 from replica.handle import RequestHandle
 from replica.prefix_cache import CacheListener, CacheStats, PrefixCache
@@ -62,20 +62,6 @@ class EngineModel(Protocol):
     def tokenizer(self) -> EngineTokenizer: ...
     @property
     def max_context(self) -> int: ...
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    num_blocks: int | None = None  # wins over kv_cache_mb
-    kv_cache_mb: int | None = None  # the backend's default budget when both are None
-    block_size: int = 16
-    max_prefill_tokens_per_step: int = 512
-    max_running: int = 64
-    max_waiting: int = 256
-    eviction_policy: str | None = None
-    ttl_s: float | None = None
-    heartbeat_timeout_s: float = 60.0  # ``alive`` turns False if a step takes longer
-    check_invariants: bool = False  # assert scheduler + cache invariants after every step
 
 
 class Engine:

@@ -22,7 +22,7 @@ from replica.runner import ForwardFn, SeqSlice
 from replica.sampling import make_generator, sample_token
 
 if TYPE_CHECKING:
-    from replica.engine import EngineConfig
+    from replica.config import EngineConfig
 
 DEFAULT_KV_CACHE_MB = 256
 
