@@ -8,9 +8,10 @@ Per request, before the app sees it:
 * Body size: a declared ``Content-Length`` over ``max_body_bytes`` gets 413 at once; a
   body that grows past it while being read is cut off (the app sees a disconnect) and
   gets 413.
-* ``require_json``: a ``POST`` whose ``Content-Type`` is not ``application/json`` gets
-  415. A browser sends a cross-site "simple" request (``text/plain``, form types, or a
-  Blob with no type) without asking the server first; with this on, none is served.
+* ``require_json``: a ``POST`` with a body whose ``Content-Type`` is not
+  ``application/json`` gets 415. A browser sends a cross-site "simple" request
+  (``text/plain``, form types, or a Blob with no type) without asking the server first;
+  with this on, none is served.
 
 And after it: an exception that escapes the app before its answer began becomes a 500
 OpenAI envelope that says nothing of the internals (the traceback goes to the log);
@@ -59,19 +60,27 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id, content_type, declared = _settle_headers(scope)
+        request_id, content_type, declared, chunked = _settle_headers(scope)
         limit = self.config.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _refuse(send, 413, _too_large(limit), "request_too_large", request_id)
             return
-        if self.config.require_json and scope["method"] == "POST" and not _is_json(content_type):
+        if (
+            self.config.require_json
+            and scope["method"] == "POST"
+            and (chunked or declared not in (None, b"0"))  # a POST with a body
+            and not _is_json(content_type)
+        ):
             shown = content_type.decode("latin-1") if content_type else "none"
             message = f"POST bodies must be sent with Content-Type: application/json (got {shown})."
             await _refuse(send, 415, message, "unsupported_media_type", request_id)
             return
         cycle = _Cycle(receive, send, limit, request_id)
         try:
-            await self.app(scope, cycle.receive, cycle.send)
+            # A declared length within the limit needs no counting: the HTTP parser
+            # delivers no more body than the Content-Length says.
+            counted = cycle.receive if declared is None else receive
+            await self.app(scope, counted, cycle.send)
         except Exception:
             if cycle.started:
                 raise  # mid-answer: the server drops the connection
@@ -111,20 +120,24 @@ class _Cycle:
         return message
 
     async def send(self, message: Message) -> None:
-        if self.too_large and not self.started:
-            return  # the 413 is the guard's to send
-        if message["type"] == "http.response.start":
+        if not self.started:  # the answer's head: checked once, the body passes straight
+            if self.too_large:
+                return  # the 413 is the guard's to send
             self.started = True
-            headers = message.get("headers", [])
-            if not any(name.lower() == b"x-request-id" for name, _ in headers):
+            headers = message.get("headers", ())
+            for name, _ in headers:
+                if name.lower() == b"x-request-id":
+                    break
+            else:
                 message = {**message, "headers": [*headers, (b"x-request-id", self.request_id)]}
         await self._send(message)
 
 
-def _settle_headers(scope: Scope) -> tuple[bytes, bytes | None, bytes | None]:
-    """(request id, content type, content length); a bad or missing request id is
-    replaced in ``scope['headers']``."""
+def _settle_headers(scope: Scope) -> tuple[bytes, bytes | None, bytes | None, bool]:
+    """(request id, content type, content length, chunked body?); a bad or missing
+    request id is replaced in ``scope['headers']``."""
     request_id = content_type = declared = None
+    chunked = False
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             request_id = value
@@ -132,13 +145,15 @@ def _settle_headers(scope: Scope) -> tuple[bytes, bytes | None, bytes | None]:
             content_type = value
         elif name == b"content-length":
             declared = value
+        elif name == b"transfer-encoding":
+            chunked = True
     if request_id is None or not REQUEST_ID_OK.fullmatch(request_id):
         request_id = os.urandom(16).hex().encode()  # uuid4() costs 4x as much
         scope["headers"] = [
             *((k, v) for k, v in scope["headers"] if k != b"x-request-id"),
             (b"x-request-id", request_id),
         ]
-    return request_id, content_type, declared
+    return request_id, content_type, declared, chunked
 
 
 def _is_json(content_type: bytes | None) -> bool:
