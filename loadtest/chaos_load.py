@@ -72,9 +72,13 @@ class Tally:
     def count(self, kind: Kind) -> int:
         return sum(o.kind == kind for o in self.outcomes)
 
+    def seen(self) -> Counter[str]:
+        """How often clients saw each thing other than a plain success."""
+        return Counter(o.saw for o in self.outcomes if o.kind != "ok" or o.hostile)
+
     def saw(self, top: int = 4) -> str:
         """The commonest things clients saw other than a plain success."""
-        seen = Counter(o.saw for o in self.outcomes if o.kind != "ok" or o.hostile)
+        seen = self.seen()
         parts = [f"{n}× {what}" for what, n in seen.most_common(top)]
         more = len(seen) - top
         return "; ".join(parts) + (f"; {more} more kinds" if more > 0 else "")

@@ -25,6 +25,7 @@ class Row:
     checks: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # the checks that did not hold
     examples: dict[str, str] = field(default_factory=dict)  # what came back, per failure kind
+    seen: dict[str, int] = field(default_factory=dict)  # everything clients saw, counted
     seconds: float = 0.0
 
     @classmethod
@@ -38,6 +39,7 @@ class Row:
             int(row["hung"]),
             str(row["client saw"]),
             examples=tally.examples(),
+            seen=dict(tally.seen()),
         )
 
     def check(self, holds: bool, fact: str) -> None:
