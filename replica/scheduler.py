@@ -105,11 +105,20 @@ class Scheduler:
             return
         self.waiting.append(request.sequences[0])
 
-    def fail(self, request: RequestState, exc: BaseException, doing: str) -> None:
+    def fail(
+        self, request: RequestState, exc: BaseException, doing: str, *, traceback: bool = True
+    ) -> None:
         """End ``request`` now because handling it raised ``exc`` while ``doing``: its
         blocks are released (uncommitted: nothing computed for it is trusted) and its
-        handle closes with an error. Other requests are untouched."""
-        log.error("request %s failed while %s", request.request_id, doing, exc_info=exc)
+        handle closes with an error. Other requests are untouched. ``traceback=False``
+        when the caller logged it once for several requests."""
+        log.error(
+            "request %s failed while %s: %r",
+            request.request_id,
+            doing,
+            exc,
+            exc_info=exc if traceback else None,
+        )
         for seq in request.sequences:
             if seq in self.running:
                 self._release(seq)
@@ -127,9 +136,11 @@ class Scheduler:
     def fail_all(self, exc: BaseException, doing: str, *, release: bool = True) -> None:
         """``fail`` every request. ``release=False`` when the block bookkeeping itself
         cannot be trusted any more (the engine is going down): handles are closed only."""
+        if release:  # (the dying engine logs its own error)
+            log.error("failing all %d requests while %s", len(self.requests), doing, exc_info=exc)
         for request in list(self.requests.values()):
             if release:
-                self.fail(request, exc, doing)
+                self.fail(request, exc, doing, traceback=False)
                 continue
             for seq in request.sequences:
                 seq.finish_reason = seq.finish_reason or "abort"
@@ -209,8 +220,9 @@ class Scheduler:
         try:
             logits = self.runner.run(slices, input_ids, rows)  # one item per row
         except Exception as exc:
+            log.error("a step of %d sequences failed", len(scheduled), exc_info=exc)
             for request in {id(s.request): s.request for s in scheduled}.values():
-                self.fail(request, exc, "running the model")
+                self.fail(request, exc, "running the model", traceback=False)
             return
         now = self.clock()
         for seq in scheduled:
