@@ -196,6 +196,13 @@ def _add_routes(app: FastAPI) -> None:
             return denied
         return JSONResponse(state.router.stats())
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """A failure inside a route: an OpenAI 500 that names nothing inside (the server
+        logs the traceback)."""
+        message = "The gateway failed on this request; retry it, or report the request id."
+        return JSONResponse(error_body(message, type="server_error", code="internal_error"), 500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None

@@ -11,7 +11,8 @@ protocol with these limits added:
 * a head (request line and headers) over ``max_header_bytes``, or with more than
   ``max_headers`` header lines: 431, connection closed;
 * a head not complete within ``header_timeout_s`` of the connection opening or of the
-  request's first byte: 408, connection closed;
+  request's first byte: 408, connection closed (closed without an answer when not one
+  byte of a request came);
 * a body not complete within ``body_timeout_s`` of the end of its head: 408 when nothing
   was answered yet, and the connection is closed (the app sees a disconnect).
 
@@ -146,6 +147,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self.flow.read_paused:
             self._arm(phase)  # we stopped reading, not the client: its clock restarts
+            return
+        if phase == "head" and self._head_bytes == 0:
+            # Not one byte of a request: nothing to answer (a client that reads its idle
+            # pooled connection later must not find a stray 408 there).
+            self._disarm()
+            self.transport.close()
             return
         timeout = self.limits.header_timeout_s if phase == "head" else self.limits.body_timeout_s
         what = "headers" if phase == "head" else "body"

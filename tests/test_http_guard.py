@@ -145,8 +145,12 @@ def test_a_stalled_client_is_cut_off_while_others_are_served(
     stalled.sendall(partial)
     _served(target)
     reply = _read_until_closed(stalled)  # closed after the 1 s timeout (10 s: failure)
-    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
-    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    if partial:
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "request_timeout"
+    else:
+        assert reply == b""  # no request, no answer: just closed
     _served(target)
 
 
@@ -211,7 +215,7 @@ def test_request_id_is_capped_or_replaced(target: Target) -> None:
         r = httpx.post(
             target.url + "/v1/completions",
             json=body,
-            headers={"x-request-id": bad.encode("utf-8")},
+            headers={b"x-request-id": bad.encode("utf-8")},
         )
         assert r.status_code == 200, r.text
         fresh = r.headers["x-request-id"]
