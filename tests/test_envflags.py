@@ -65,7 +65,7 @@ def test_gateway_flags_come_from_env_and_the_command_line_wins(
     ("cli", "var", "value", "says"),
     [
         ("replica", "PREFIXGATE_PORT", "eighty", "PREFIXGATE_PORT='eighty' is not a valid int"),
-        ("replica", "PREFIXGATE_EVICTION_POLICY", "fifo", "is not one of lru, sink_lru, h2o"),
+        ("replica", "PREFIXGATE_EVICTION_POLICY", "fifo", "POLICY='fifo' is not one of lru"),
         ("gateway", "PREFIXGATE_UPSTREAM_TIMEOUT_S", "1m", "is not a valid float"),
         ("gateway", "PREFIXGATE_POLICY", "fastest", "PREFIXGATE_POLICY='fastest' is not one of"),
     ],
