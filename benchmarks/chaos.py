@@ -1,8 +1,9 @@
 """Chaos and soak: what clients see when parts of a local cluster fail under load.
 
-    .venv/bin/python benchmarks/chaos.py [--scenario kill|stop|redis|gateway|soak ...]
+    .venv/bin/python benchmarks/chaos.py [--scenario kill|stop|redis|gateway|soak|fuzz ...]
         [--replicas 3] [--clients 16] [--soak-requests 10000] [--stop-s 20]
-        [--redis-down-s 60] [--soak-max-s 1800] [--out runs/chaos/chaos.json]
+        [--redis-down-s 60] [--soak-max-s 1800] [--fuzz-examples 20000]
+        [--out runs/chaos/chaos.json]
 
 Each scenario starts its own cluster on loopback (Redis, ``--replicas`` tiny-random
 replicas, one gateway: ``loadtest.chaos_cluster``), drives it with ``--clients``
@@ -23,6 +24,8 @@ the scenario's own checks, each a fact with its number, and whether the scenario
 * ``soak``: ``--soak-requests`` requests, some abandoned midway (streaming or not), some
   hostile (``loadtest.chaos_requests``). At the end: no pinned block, nothing in flight
   at the gateway, every engine alive; resident memory of every process, start and end.
+* ``fuzz``: ``--fuzz-examples`` hypothesis-drawn bodies, each to the gateway and to a
+  replica: no 5xx, no hang (benchmarks/chaos_fuzz.py, the fuzz test's bodies).
 
 Every wait on the timeline is the experiment's schedule; readiness is always polled.
 """
@@ -48,7 +51,7 @@ from loadtest.chaos_requests import honest, mixed  # noqa: E402
 from loadtest.chaos_row import HEADER, Row  # noqa: E402
 from prefixgate.procs import http_ok  # noqa: E402
 
-SCENARIOS = ("kill", "stop", "redis", "gateway", "soak")
+SCENARIOS = ("kill", "stop", "redis", "gateway", "soak", "fuzz")
 
 
 async def _launch(cfg: argparse.Namespace, name: str) -> ChaosCluster:
@@ -242,6 +245,12 @@ async def soak(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     return row
 
 
+async def fuzz(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
+    from chaos_fuzz import fuzz_scenario  # hypothesis: a dev dependency, like this script
+
+    return await asyncio.to_thread(fuzz_scenario, cfg, cluster)
+
+
 Scenario = Callable[[argparse.Namespace, ChaosCluster], Awaitable[Row]]
 RUNNERS: dict[str, Scenario] = {
     "kill": kill,
@@ -249,6 +258,7 @@ RUNNERS: dict[str, Scenario] = {
     "redis": redis_outage,
     "gateway": gateway_restart,
     "soak": soak,
+    "fuzz": fuzz,
 }
 
 
@@ -283,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-down-s", type=float, default=60.0)
     p.add_argument("--soak-requests", type=int, default=10_000)
     p.add_argument("--soak-max-s", type=float, default=1800.0, help="the soak stops then")
+    p.add_argument("--fuzz-examples", type=int, default=20_000, help="bodies, each sent twice")
+    p.add_argument("--fuzz-seed", type=int, default=1)
+    p.add_argument("--fuzz-max-s", type=float, default=900.0, help="the fuzz stops then")
     p.add_argument("--run-root", type=Path, default=Path("runs/chaos"), help="logs")
     p.add_argument("--out", type=Path, default=Path("runs/chaos/chaos.json"))
     return p
