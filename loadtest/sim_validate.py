@@ -1,0 +1,187 @@
+"""Validate the simulated engine against the cluster simulator: the same workload, the same
+GPU profile, once live on ``--model sim`` replicas behind the real gateway and once in
+``loadtest.simulate``; hit rates must agree within 0.02 and TTFT p50 within 15%.
+
+    python -m loadtest.sim_validate --workload multi_turn_chat --replicas 4 \\
+        --profile llama3.1-8b-a100 --concurrency 8 --out docs/bench/sim-validate.json
+
+Both sides replay the very prompts the live client sends (the chat template over each
+session's history), closed loop with the same concurrency and no think time. The
+simulator's compute model is ``ProfileCost``: the profile's step-time function in the
+shape ``simulate.CostModel`` has (a prompt's prefill in chunks of the engine's step
+budget; a decode step of ``batch`` sequences at the workload's mean context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.simulate import CostModel
+from prefixgate.envflags import env_var
+from replica.sim.profile import COST_FIELDS, SimProfile
+from replica.sim.profiles import builtin_profiles, load_profile
+
+MODEL = "sim"
+PREFILL_CHUNK = 512  # the replica's default --max-prefill-tokens
+
+
+@dataclass(slots=True)
+class ProfileCost(CostModel):
+    """``simulate.CostModel`` with a sim profile's step times (``scale``: the oracle's
+    N× compute divides every time)."""
+
+    profile: SimProfile = field(default_factory=lambda: builtin_profiles()["llama3.1-8b-h100"])
+    mean_context: int = 1024
+    chunk: int = PREFILL_CHUNK
+
+    def prefill_s(self, tokens: int, scale: float = 1.0) -> float:
+        return self.profile.prefill_s(max(1, tokens), chunk=self.chunk) / scale
+
+    def step_s(self, batch: int, scale: float = 1.0) -> float:
+        return self.profile.decode_step_s(batch, batch * self.mean_context) / scale
+
+
+def validation_profile(args: argparse.Namespace) -> SimProfile:
+    """The profile, every cost constant multiplied by ``--slowdown``."""
+    profile = load_profile(args.profile)
+    return profile.with_overrides(**{f: getattr(profile, f) * args.slowdown for f in COST_FIELDS})
+
+
+def simulated(
+    sessions: list[Any], prompts: list[list[list[int]]], args: argparse.Namespace, blocks: int
+) -> dict[str, Any]:
+    from loadtest.simulate import simulate
+
+    lengths = [len(p) for session in prompts for p in session]
+    mean = int(statistics.fmean(lengths))
+    cost = ProfileCost(profile=validation_profile(args), mean_context=mean)
+    result = simulate(
+        sessions,
+        args.policy,
+        args.replicas,
+        blocks,
+        cost,
+        think_s=0.0,
+        seed=args.seed,
+        concurrency=args.concurrency,
+        prompts=prompts,
+    )
+    return {
+        "hit_rate": result.hit_rate,
+        "ttft_p50_s": result.ttft_p50_s,
+        "ttft_p99_s": result.ttft_p99_s,
+        "total_time_s": result.total_time_s,
+        "requests": result.requests,
+        "requests_per_replica": sorted(result.requests_per_replica),
+        "busy_s_per_replica": sorted(round(b, 1) for b in result.busy_s_per_replica),
+    }
+
+
+def live(
+    sessions: list[Any], args: argparse.Namespace, blocks: int, run_dir: Path
+) -> dict[str, Any]:
+    from loadtest.cluster import launch_cluster, wait_ready
+    from loadtest.replay import ReplayConfig, run_replay
+
+    # `up` and its replicas read these; the cost flags override the profile's constants.
+    os.environ[env_var("sim-profile")] = args.profile
+    profile = validation_profile(args)
+    for name in COST_FIELDS:
+        os.environ[env_var("sim-" + name.replace("_", "-"))] = repr(getattr(profile, name))
+    cluster = launch_cluster(args.replicas, MODEL, args.policy, blocks, run_dir)
+    try:
+        wait_ready(cluster, 300)
+        cluster.warm_up(MODEL)
+        cluster.reset_prefix_cache()
+        cpu_before = cluster.replica_cpu_seconds()
+        config = ReplayConfig(
+            base_url=cluster.base_url,
+            model=MODEL,
+            concurrency=args.concurrency,
+            ignore_eos=True,
+            seed=args.seed,
+            progress=False,
+        )
+        result = run_replay(sessions, config)
+        cpu_after = cluster.replica_cpu_seconds()
+    finally:
+        cluster.stop()
+    summary = result.to_json({})["summary"]
+    out = {k: summary[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "total_time_s")}
+    out["requests"] = len(result.requests)
+    out["requests_per_replica"] = sorted(summary["requests_per_replica"].values())
+    out["errors"] = summary.get("errors")
+    if cpu_before is not None and cpu_after is not None:
+        out["replica_cpu_s"] = round(cpu_after - cpu_before, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtest.cache_sizing import live_prompts, size_cache
+    from loadtest.live import LIVE_PARAMS
+    from loadtest.workloads import generate
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workload", default="multi_turn_chat")
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--profile", default="llama3.1-8b-a100")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="multiply every cost constant: a slower device, so that its time dominates "
+        "the host's (HTTP, JSON, tokenizing on a shared CPU)",
+    )
+    parser.add_argument("--fraction", type=float, default=0.3, help="cache / working set")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--param", action="append", default=[], help="workload NAME=INT")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--run-dir", type=Path, help="keep the cluster's logs here")
+    args = parser.parse_args(argv)
+
+    params = dict(LIVE_PARAMS.get(args.workload, {}))
+    for item in args.param:
+        name, value = item.split("=", 1)
+        params[name] = int(value)
+    sessions = generate(args.workload, seed=args.seed, **params)
+    prompts = live_prompts(sessions, MODEL)
+    blocks = size_cache(sessions, prompts, MODEL, args.fraction).num_blocks
+    sim = simulated(sessions, prompts, args, blocks)
+    print(f"[validate] simulator: {sim}", flush=True)
+    started = time.monotonic()
+    if args.run_dir is not None:
+        got = live(sessions, args, blocks, args.run_dir)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = live(sessions, args, blocks, Path(tmp) / "run")
+    got["wall_s"] = round(time.monotonic() - started, 1)
+    print(f"[validate] live sim replicas: {got}", flush=True)
+    hit_gap = abs(got["hit_rate"] - sim["hit_rate"])
+    ttft_ratio = got["ttft_p50_s"] / sim["ttft_p50_s"]
+    verdict = {
+        "hit_rate_gap": round(hit_gap, 4),
+        "ttft_p50_live_over_sim": round(ttft_ratio, 3),
+        "hit_ok": hit_gap <= 0.02,
+        "ttft_ok": abs(ttft_ratio - 1) <= 0.15,
+    }
+    print(f"[validate] {verdict}", flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"args": vars(args) | {"out": str(args.out)}, "blocks": blocks, "params": params}
+        record |= {"simulator": sim, "live": got, "verdict": verdict}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0 if verdict["hit_ok"] and verdict["ttft_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
