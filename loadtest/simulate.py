@@ -41,6 +41,7 @@ from typing import Any
 from loadtest.workloads import Session
 from replica.prefix_cache import CacheFull, PrefixCache
 from router.config import RouterConfig
+from router.load import InFlight
 from router.protocol import BlockEvent, block_keys, root_key, short_key
 from router.router import Router
 
@@ -106,6 +107,7 @@ class _Request:
     cached: int = 0
     block_ids: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
+    handle: InFlight | None = None  # the router's in-flight record
 
 
 class _Listener:
@@ -146,6 +148,11 @@ class _Replica:
     progress_at: float = 0.0
     version: int = 0
     requests: int = 0
+    busy_s: float = 0.0  # time with a prefill or a decode batch running
+
+    @property
+    def busy(self) -> bool:
+        return self.prefilling is not None or bool(self.running)
 
 
 @dataclass(slots=True)
@@ -156,6 +163,7 @@ class SimResult:
     requests: int
     hit_rate: float  # cached prompt tokens / prompt tokens, whole cluster
     requests_per_replica: list[int]
+    busy_s_per_replica: list[float]
     ttft_p50_s: float
     ttft_p99_s: float
     total_time_s: float
@@ -167,12 +175,19 @@ class SimResult:
         mean = statistics.fmean(self.requests_per_replica)
         return max(self.requests_per_replica) / mean if mean else 1.0
 
+    @property
+    def busy_imbalance(self) -> float:
+        """max/mean busy time per replica (1.0 = perfectly even)."""
+        mean = statistics.fmean(self.busy_s_per_replica)
+        return max(self.busy_s_per_replica) / mean if mean else 1.0
+
     def row(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
             "replicas": self.n_replicas,
             "hit_rate": round(self.hit_rate, 4),
             "max/mean": round(self.load_imbalance, 3),
+            "busy max/mean": round(self.busy_imbalance, 3),
             "ttft_p50_s": round(self.ttft_p50_s, 3),
             "ttft_p99_s": round(self.ttft_p99_s, 3),
             "total_s": round(self.total_time_s, 1),
@@ -194,8 +209,10 @@ class _Simulation:
         config: RouterConfig | None,
         concurrency: int | None = None,
         prompts: Sequence[Sequence[list[int]]] | None = None,
+        conversation_keys: bool = True,
     ) -> None:
         self.now = 0.0
+        self.conversation_keys = conversation_keys
         self.cost, self.think_s = cost, think_s
         self.router = Router(config, policy, clock=lambda: self.now, seed=seed)
         self.root = root_key(MODEL_ID, BLOCK_SIZE)
@@ -238,11 +255,16 @@ class _Simulation:
     def run(self) -> None:
         while self.events:
             at, _tie, kind, payload = heapq.heappop(self.events)
+            for replica in self.replicas:
+                if replica.busy:
+                    replica.busy_s += at - self.now
             self.now = at
             if kind == "turn":
                 self._send_turn(payload)
             elif kind == "prefill_done":
                 self._prefill_done(payload)
+            elif kind == "first_token":
+                self.router.first_byte(payload)
             elif kind == "decode_done":
                 replica, version = payload
                 if replica.version == version:
@@ -267,10 +289,16 @@ class _Simulation:
             conv.tokens = list(conv.prompts[conv.turn])
             conv.keys = block_keys(conv.tokens, BLOCK_SIZE, self.root)
             reply = self._given_reply(conv, turn.max_tokens)
-        decision = self.router.route(conv.keys, conversation_key=conv.session.session_id)
+        decision = self.router.route(
+            conv.keys,
+            conversation_key=conv.session.session_id if self.conversation_keys else None,
+            prompt_tokens=len(conv.tokens),
+        )
         index = int(decision.replica_id.rsplit("-", 1)[1])
         request = _Request(conv, conv.tokens, reply, self.now, index)
-        self.router.request_started(decision.replica_id)
+        request.handle = self.router.request_started(
+            decision.replica_id, decision.uncached_tokens, decision.queued_tokens
+        )
         replica = self.replicas[index]
         replica.requests += 1
         replica.queue.append(request)
@@ -323,6 +351,7 @@ class _Simulation:
             len(replica.running) + 1, replica.scale
         )
         self.ttfts.append(request.first_token_at - request.arrival)
+        self._push(request.first_token_at, "first_token", request.handle)
         end = replica.progress + len(request.reply)
         heapq.heappush(replica.running, (end, id(request), request))
         self._reschedule(replica)
@@ -349,7 +378,8 @@ class _Simulation:
         full = request.tokens + request.reply
         replica.cache.commit(full, request.block_ids)
         replica.cache.release(request.block_ids)
-        self.router.request_finished(replica.replica_id, ok=True)
+        assert request.handle is not None
+        self.router.request_finished(request.handle, ok=True)
         conv = request.conv
         conv.tokens = full
         conv.turn += 1
@@ -374,11 +404,13 @@ def simulate(
     config: RouterConfig | None = None,
     concurrency: int | None = None,
     prompts: Sequence[Sequence[list[int]]] | None = None,
+    conversation_keys: bool = True,
 ) -> SimResult:
     """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``; open loop
     (each session at its arrival time), or closed loop with ``concurrency`` sessions at a
     time. ``prompts``: each session's turns as whole prompts of token ids (else built
-    from the sessions' words)."""
+    from the sessions' words). ``conversation_keys``: route with each session's id as
+    its conversation key (False: as clients that send none)."""
     sim = _Simulation(
         sessions,
         policy,
@@ -391,6 +423,7 @@ def simulate(
         config=config,
         concurrency=concurrency,
         prompts=prompts,
+        conversation_keys=conversation_keys,
     )
     sim.run()
     ttfts = sorted(sim.ttfts)
@@ -398,6 +431,8 @@ def simulate(
         replica.cache.check_invariants()
         assert not replica.queue and replica.prefilling is None and not replica.running
     sim.router.check_invariants()
+    drained = [(v.in_flight, v.load.queued_tokens) for v in sim.router.replicas.values()]
+    assert all(d == (0, 0) for d in drained), drained
     return SimResult(
         policy=policy,
         n_replicas=n_replicas,
@@ -405,6 +440,7 @@ def simulate(
         requests=len(ttfts),
         hit_rate=sim.cached_tokens / sim.prompt_tokens if sim.prompt_tokens else 0.0,
         requests_per_replica=[r.requests for r in sim.replicas],
+        busy_s_per_replica=[r.busy_s for r in sim.replicas],
         ttft_p50_s=_percentile(ttfts, 0.5),
         ttft_p99_s=_percentile(ttfts, 0.99),
         total_time_s=sim.now,
@@ -445,6 +481,7 @@ def run_comparison(
     config: RouterConfig | None = None,
     concurrency: int | None = None,
     prompts: Sequence[Sequence[list[int]]] | None = None,
+    conversation_keys: bool = True,
 ) -> list[SimResult]:
     """The oracle (one replica, N× blocks and compute) first, then each policy.
 
@@ -480,50 +517,95 @@ def run_comparison(
                 config=config,
                 concurrency=concurrency,
                 prompts=prompts,
+                conversation_keys=conversation_keys,
             )
         )
     return results
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m loadtest.simulate [kind ...]``: the oracle and three policies per kind."""
+    """``python -m loadtest.simulate [kind ...]``: the oracle and each policy per kind, over
+    a grid of replica counts, arrival-rate scales and seeds; then, per kind and policy,
+    the worst run against the oracle (lowest hit ratio, highest time ratio, highest
+    max/mean busy time). Kinds: ``loadtest.workloads.KINDS`` and the skewed single-turn
+    document variants (``loadtest.skewed_docs.VARIANTS``, routed without conversation
+    keys)."""
     import argparse
     import time
 
+    from loadtest import skewed_docs
     from loadtest.workloads import KINDS, default_rate, generate
 
+    kinds = [*KINDS, *skewed_docs.VARIANTS]
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("kinds", nargs="*", default=["agents", "multi_turn_chat", "doc_qa"])
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--policies", default="cache_aware,round_robin,consistent_hash")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[4])
     parser.add_argument("--cache-fraction", type=float, default=0.3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument(
-        "--rate-scale",
+        "--rate-scales",
         type=float,
-        default=1.0,
+        nargs="+",
+        default=[1.0],
         help="multiply each kind's default arrival rate (e.g. 4: a cluster under load, "
         "where total time is more than the arrival span)",
     )
+    parser.add_argument("--option", action="append", default=[], help="router NAME=VALUE")
     args = parser.parse_args(argv)
+    from router.config import RouterConfig, with_options
+
+    config = with_options(RouterConfig(), args.option)
+    policies = args.policies.split(",")
     for kind in args.kinds:
-        if kind not in KINDS:
-            parser.error(f"unknown kind {kind!r}; choose from {list(KINDS)}")
-        sessions = generate(kind, seed=args.seed, rate=default_rate(kind) * args.rate_scale)
-        started = time.perf_counter()
-        results = run_comparison(
-            sessions, n_replicas=args.replicas, cache_fraction=args.cache_fraction, seed=args.seed
-        )
-        oracle = results[0]
-        print(
-            f"{kind} (rate ×{args.rate_scale:g}): {oracle.requests} requests,"
-            f" {time.perf_counter() - started:.1f} s"
-        )
-        for r in results:
+        if kind not in kinds:
+            parser.error(f"unknown kind {kind!r}; choose from {kinds}")
+    for kind in args.kinds:
+        worst: dict[str, list[tuple[float, str]]] = {}
+        for n, scale, seed in (
+            (n, scale, seed)
+            for n in args.replicas
+            for scale in args.rate_scales
+            for seed in args.seeds
+        ):
+            documents = kind in skewed_docs.VARIANTS
+            if documents:
+                sessions = skewed_docs.variant(kind, seed=seed, rate_scale=scale)
+            else:
+                sessions = generate(kind, seed=seed, rate=default_rate(kind) * scale)
+            started = time.perf_counter()
+            results = run_comparison(
+                sessions,
+                policies,
+                n_replicas=n,
+                cache_fraction=args.cache_fraction,
+                seed=seed,
+                config=config,
+                conversation_keys=not documents,
+            )
+            oracle = results[0]
+            run = f"N={n} rate x{scale:g} seed {seed}"
             print(
-                f"  {r.policy:16} hit {r.hit_rate:.3f} ({r.hit_rate / oracle.hit_rate:.3f}× oracle)"
-                f"  time {r.total_time_s:7.1f} s ({r.total_time_s / oracle.total_time_s:.3f}×)"
-                f"  max/mean {r.load_imbalance:.2f}  TTFT p50 {r.ttft_p50_s:.2f} s"
-                f" p99 {r.ttft_p99_s:.2f} s"
+                f"{kind} {run}: {oracle.requests} requests, {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
+            for r in results:
+                hit, span = r.hit_rate / oracle.hit_rate, r.total_time_s / oracle.total_time_s
+                print(
+                    f"  {r.policy:16} hit {r.hit_rate:.3f} ({hit:.3f}x oracle)"
+                    f"  time {r.total_time_s:7.1f} s ({span:.3f}x)"
+                    f"  max/mean busy {r.busy_imbalance:.2f} requests {r.load_imbalance:.2f}"
+                    f"  TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s"
+                )
+                if r is not oracle:
+                    cell = worst.setdefault(r.policy, [(9.0, ""), (0.0, ""), (0.0, "")])
+                    cell[0] = min(cell[0], (hit, run))
+                    cell[1] = max(cell[1], (span, run))
+                    cell[2] = max(cell[2], (r.busy_imbalance, run))
+        for policy, ((hit, hit_run), (span, span_run), (busy, busy_run)) in worst.items():
+            print(
+                f"WORST {kind} {policy}: hit {hit:.3f}x oracle ({hit_run}),"
+                f" time {span:.3f}x ({span_run}), max/mean busy {busy:.2f} ({busy_run})"
             )
 
 

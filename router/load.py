@@ -1,5 +1,5 @@
-"""Load of one replica: what this gateway has in flight there, plus what other gateways
-had there when the replica last reported.
+"""Load of one replica, in requests and in queued prefill tokens: what this gateway has
+in flight there, plus what other gateways had there when the replica last reported.
 
 A replica reports ``running + waiting`` in every heartbeat (once a second); the gateway
 reads the record up to a poll interval later and then keeps reading the same record
@@ -15,6 +15,11 @@ With one gateway ``others`` is about 0 and the load is the exact local count; wi
 several, each sees the others' requests as of the last heartbeat. The in-flight count at
 a past time comes from a short log of this gateway's own changes (wall-clock stamped, as
 the replica's report is).
+
+Queued prefill tokens follow the same split: this gateway's own are the predicted
+uncached tokens of its requests there that have not sent their first byte yet; the
+others' are the replica's ``queued_prefill_tokens`` less this gateway's own at the
+report's time.
 """
 
 from __future__ import annotations
@@ -29,42 +34,71 @@ from router.protocol import ReplicaLoad
 HISTORY_S = 10.0  # how far back the in-flight log reaches (reports older are stale anyway)
 
 
+@dataclass(slots=True, eq=False)
+class InFlight:
+    """One request this gateway sent to a replica, from dispatch to its end
+    (``Router.request_started`` / ``first_byte`` / ``request_finished``)."""
+
+    replica_id: str
+    uncached_tokens: int  # predicted: counted in the replica's queue until the first byte
+    queued_tokens: int  # predicted queue ahead of it at dispatch (the cost fit's input)
+    started_at: float  # router clock
+    queued: bool = True  # its uncached tokens still count in the queue
+    done: bool = False
+
+
 @dataclass(slots=True)
 class LoadTracker:
     report_ttl_s: float = 3.0
     clock: Callable[[], float] = time.time  # wall clock: reports carry the replica's
-    in_flight: int = 0
+    in_flight: int = 0  # this gateway's requests there, until finished
+    queued_tokens: int = 0  # their predicted uncached tokens, until first byte or failure
     reported: ReplicaLoad | None = None
     reported_at: float | None = None  # the report's own timestamp (replica wall clock)
     others: int = 0  # requests other gateways had there at ``reported_at``
+    others_tokens: int = 0  # prefill tokens queued there beyond ours at ``reported_at``
     others_until: float = 0.0
-    # (time, in flight after the change), oldest first; ``_before`` = in flight before it.
-    _log: deque[tuple[float, int]] = field(default_factory=deque)
-    _before: int = 0
+    # (time, in flight, queued tokens) after each change, oldest first; ``_before``:
+    # the same pair before the oldest change kept.
+    _log: deque[tuple[float, int, int]] = field(default_factory=deque)
+    _before: tuple[int, int] = (0, 0)
 
-    def started(self) -> None:
+    def started(self, tokens: int = 0) -> None:
+        """A request sent there, predicted to compute ``tokens`` uncached tokens."""
         self.in_flight += 1
+        self.queued_tokens += tokens
         self._note()
 
-    def finished(self) -> None:
-        if self.in_flight > 0:  # a finish after a remove/re-add must not go negative
-            self.in_flight -= 1
-            self._note()
+    def first_byte(self, tokens: int) -> None:
+        """A request's prefill is done: its ``tokens`` leave the queue."""
+        self.queued_tokens -= tokens
+        self._note()
+
+    def finished(self, tokens: int = 0) -> None:
+        """A request ended; ``tokens``: its tokens still queued (it failed before its
+        first byte)."""
+        self.in_flight -= 1
+        self.queued_tokens -= tokens
+        self._note()
 
     def _note(self) -> None:
         now = self.clock()
         log = self._log
-        log.append((now, self.in_flight))
+        log.append((now, self.in_flight, self.queued_tokens))
         while len(log) > 1 and log[0][0] < now - HISTORY_S:
-            self._before = log.popleft()[1]
+            _t, count, tokens = log.popleft()
+            self._before = (count, tokens)
 
     def in_flight_at(self, at: float) -> int:
         """This gateway's in-flight count there at wall-clock time ``at`` (as logged)."""
+        return self._at(at)[0]
+
+    def _at(self, at: float) -> tuple[int, int]:
         value = self._before
-        for t, count in self._log:
+        for t, count, tokens in self._log:
             if t > at:
                 break
-            value = count
+            value = (count, tokens)
         return value
 
     def report(self, load: ReplicaLoad, at: float | None = None) -> None:
@@ -75,12 +109,29 @@ class LoadTracker:
         now = self.clock()
         stamp = now if at is None or at > now else at
         self.reported, self.reported_at = load, at
-        mine = self.in_flight_at(stamp) if stamp < now else self.in_flight
-        self.others = max(0, load.running + load.waiting - mine)
+        count, tokens = self._at(stamp) if stamp < now else (self.in_flight, self.queued_tokens)
+        self.others = max(0, load.running + load.waiting - count)
+        self.others_tokens = max(0, load.queued_prefill_tokens - tokens)
         self.others_until = stamp + self.report_ttl_s
 
     @property
+    def fresh(self) -> bool:
+        return self.clock() < self.others_until
+
+    @property
     def load(self) -> int:
-        if self.others and self.clock() < self.others_until:
+        """Requests there: ours, plus the others' while the report is fresh."""
+        if self.others and self.fresh:
             return self.in_flight + self.others
         return self.in_flight
+
+    @property
+    def queued(self) -> int:
+        """Prefill tokens queued there: ours, plus the others' while the report is fresh."""
+        if self.others_tokens and self.fresh:
+            return self.queued_tokens + self.others_tokens
+        return self.queued_tokens
+
+    def check_invariants(self) -> None:
+        assert self.in_flight >= 0 and self.queued_tokens >= 0
+        assert self.others >= 0 and self.others_tokens >= 0

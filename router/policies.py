@@ -1,7 +1,8 @@
 """Routing policies: one small interface, chosen by name.
 
 A policy sees the eligible replicas (healthy, serving the model, not excluded) with their
-load and matched prefix depth, and returns one of them with a short reason. Policies
+load, queued prefill tokens, matched prefix depth, uncached tokens and learned cost per
+token, and returns one of them with a short reason. Policies
 never depend on the order of the candidate list: ties go to the conversation ring, to
 load, or to the seeded random generator.
 """
@@ -12,7 +13,6 @@ import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from operator import itemgetter
 from types import MappingProxyType
 from typing import ClassVar, NamedTuple
 
@@ -22,12 +22,17 @@ from router.ring import Ring
 
 class Candidate(NamedTuple):
     replica_id: str
-    load: int
-    matched: int  # leading blocks of the request this replica holds
-    recent: int = 0  # how many of the router's recent decisions on new work it took
+    load: int  # requests in flight there (this gateway's, plus others' reported)
+    matched: int = 0  # leading blocks of the request this replica holds
+    queued: int = 0  # prefill tokens queued there before this request
+    uncached: int = 0  # tokens of this request it would have to compute
+    cost: float = 0.0  # its prefill seconds per token (learned, router/cost.py)
+    decode_tokens: int = 0  # decode pressure: prefill tokens each request there counts as
 
-
-_LOAD, _MATCHED, _RECENT = (itemgetter(i) for i in (1, 2, 3))  # Candidate fields, C speed
+    @property
+    def predicted_s(self) -> float:
+        """Predicted time to first token there (the cost model, ``CacheAware``)."""
+        return (self.queued + self.uncached + self.load * self.decode_tokens) * self.cost
 
 
 class RouteInput(NamedTuple):
@@ -35,7 +40,7 @@ class RouteInput(NamedTuple):
     total_blocks: int
     conversation_key: str | None
     first_key: bytes | None  # the request's first block key (short), when it has one
-    continuing: bool = False  # a conversation this router has routed before
+    last_key: bytes | None = None  # its last full block's key (short)
 
 
 class Choice(NamedTuple):
@@ -58,17 +63,11 @@ class Policy(ABC):
 
     def load_bound(self, candidates: Sequence[Candidate]) -> int:
         """Most requests a replica may hold after taking this one (bounded load)."""
-        total = sum(map(_LOAD, candidates))
+        total = sum(c.load for c in candidates)
         return _bound(total, len(candidates), self.config.load_slack) + self.config.load_abs_slack
 
-    def share_bound(self, candidates: Sequence[Candidate], share_slack: float) -> int:
-        """Most of the recent decisions on new work a replica may have taken, this one
-        included (the caller checks that the share bound is on)."""
-        total = sum(map(_RECENT, candidates))
-        return _bound(total, len(candidates), share_slack) + self.config.share_abs_slack
-
     def least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
-        low = min(map(_LOAD, candidates))
+        low = min(c.load for c in candidates)
         return self.rng.choice([c for c in candidates if c.load == low])
 
     def two_choices(self, candidates: Sequence[Candidate]) -> Candidate:
@@ -131,8 +130,8 @@ class ConsistentHash(Policy):
 
 
 def _bound(total: int, n: int, slack: float) -> int:
-    """Bounded loads: the most any of ``n`` may hold once one more joins ``total``.
-    The least loaded always fits: its count + 1 ≤ ⌈(total + 1) / n⌉."""
+    """Bounded loads (consistent_hash): the most any of ``n`` may hold once one more
+    joins ``total``. The least loaded always fits: its count + 1 ≤ ⌈(total + 1) / n⌉."""
     return math.ceil((1 + slack) * (total + 1) / n)
 
 
@@ -153,81 +152,110 @@ def ring_choice(
 
 
 class CacheAware(Policy):
-    """Longest cached prefix wins unless its replica is overloaded, with load priced in
-    blocks.
+    """The replica where the request is predicted to start soonest.
 
-    1. "Open" replicas pass the bounds (consistent hashing with bounded loads,
-       Mirrokni et al.):
-       * queue: ``load + 1 <= ceil((1+load_slack)·(total+1)/n) + load_abs_slack``
-         requests in flight — no replica piles up a queue while others idle;
-       * share, for new work: ``recent + 1 <= ceil((1+share_slack)·(recent total+1)/n)
-         + share_abs_slack`` of the router's last decisions on new work — no replica
-         takes more than its share of new conversations and keyless requests, so the
-         queue bound can be loose. A continuing conversation (``RouteInput.continuing``:
-         the router has routed it before) is exempt and not counted: it stays with its
-         history unless its replica is queued.
-       When nobody passes both, the queue bound alone decides.
-    2. Among open replicas the highest score wins, score = useful matched blocks −
-       ``load_cost_blocks`` × (load − the least open load): a cost model in blocks
-       (blocks to recompute vs. requests to wait behind), so a long match is worth a
-       short queue but a one-block edge is not worth piling onto a busier replica.
-       ``load_cost_blocks = 0``: plain longest match among the open replicas.
-    3. A longer match only on overloaded replicas: reason ``overload_fallback``; the
-       chosen replica computes the prefix and then holds it too (the router's
-       optimistic insert makes it a match there at once), so a hot prefix spreads over
-       replicas instead of piling onto one. A longer match on an open replica given up
-       for load: ``load_tradeoff``.
-    4. Ties: the conversation ring (affinity that every gateway agrees on), else the
-       least loaded, else the seeded random generator — never list order.
-    5. No useful match anywhere: the conversation ring with bounded load when there is
-       a conversation key, else the least loaded of two random choices.
+    For each candidate replica r (healthy, serving the model, not excluded):
+
+        predicted TTFT(r) = (queued(r) + uncached(r) + load(r) × decode) × cost(r)
+
+    * ``queued(r)``: prefill tokens already waiting or running there (this gateway's
+      routed requests until their first byte, plus what other gateways had there at the
+      replica's last heartbeat; router/load.py);
+    * ``uncached(r)``: this request's prompt tokens beyond its prefix cached there;
+    * ``load(r) × decode``: decode pressure, each request in flight there counted as
+      ``decode_tokens_per_request`` prefill tokens (its decode steps share the
+      replica's forward passes with the next prefill);
+    * ``cost(r)``: seconds per prefill token there, learned from its first bytes
+      (router/cost.py; a replica not timed yet takes the cluster's learned figure,
+      ``prefill_s_per_token`` before any).
+
+    The minimum wins. A long cached prefix wins until its replica's queue costs more
+    than recomputing the prefix elsewhere; then the next request goes elsewhere, and
+    that replica caches the prefix too (the router's optimistic insert makes it a match
+    there at once): hot prefixes are replicated as load needs, not hoarded, and no count
+    bound forces requests apart. A continuing conversation follows the same rule.
+
+    Predictions within ``TIE_TOKENS`` tokens' prefill (one block, at the cheapest cost)
+    of the best are ties: the conversation ring decides (the conversation key, so every
+    gateway agrees; without one, the prompt's last block key, which spreads new
+    keyless work), then the least loaded, then the seeded random generator — never list
+    order.
+
+    Safety cap: a replica whose queue is over ``queue_cap`` × (the other replicas' mean
+    queue + this prompt's tokens) is not chosen while another is (a queue the predictions got wrong,
+    e.g. an index that believes blocks the replica has evicted).
+
+    The reason names the decision's kind (``prefix_match``: the chosen replica holds
+    the longest match; ``spill``: a longer match elsewhere was predicted slower;
+    ``no_match``: nobody holds a block) and states the predictions.
     """
 
     name = "cache_aware"
+    TIE_TOKENS = 16  # one block at the default block size
 
     def choose(self, request: RouteInput) -> Choice:
-        # One pass per step over the candidates, no generator expressions: this runs on
-        # every request (route() latency, docs/BENCHMARKS.md).
         candidates = request.candidates
-        config = self.config
-        bound = self.load_bound(candidates)
-        open_ = [c for c in candidates if c.load < bound]  # load + 1 <= bound; never empty
-        if config.share_slack is not None and not request.continuing:
-            share = self.share_bound(candidates, config.share_slack)
-            open_ = [c for c in open_ if c.recent < share] or open_
-        floor = config.min_match_blocks
-        best = max(map(_MATCHED, candidates))
-        if best < floor:
-            if request.conversation_key is not None:
-                return ring_choice(self, candidates, request.conversation_key, open_)
-            return Choice(self.two_choices(open_).replica_id, "least_loaded")
-        w = config.load_cost_blocks
-        low = min(map(_LOAD, open_))
-        top = -math.inf
-        tied: list[Candidate] = []
-        for c in open_:
-            score = (c.matched if c.matched >= floor else 0) - w * (c.load - low)
-            if score > top:
-                top, tied = score, [c]
-            elif score == top:
-                tied.append(c)
-        chosen = self.tie_break(tied, request)
-        if chosen.matched >= best:
-            return Choice(
-                chosen.replica_id, f"prefix_match {chosen.matched}/{request.total_blocks} blocks"
-            )
-        if max(map(_MATCHED, open_)) < best:
-            return Choice(chosen.replica_id, "overload_fallback")
-        return Choice(chosen.replica_id, "load_tradeoff")
+        open_ = self.under_cap(candidates)
+        predicted = [c.predicted_s for c in open_]
+        best = min(predicted)
+        slack = self.TIE_TOKENS * min(c.cost for c in open_)
+        tied = [c for c, p in zip(open_, predicted, strict=True) if p <= best + slack]
+        chosen = tied[0] if len(tied) == 1 else self.tie_break(tied, request)
+        longest = max(candidates, key=_by_match)
+        if longest.matched == 0:
+            kind, other = "no_match", _runner_up(candidates, chosen)
+        elif chosen.matched >= longest.matched:
+            kind, other = "prefix_match", _runner_up(candidates, chosen)
+        else:
+            kind, other = "spill", longest
+        reason = f"{kind} cost: {_said(chosen, request)}"
+        if other is not None:
+            reason += f", {_said(other, request)}"
+        return Choice(chosen.replica_id, reason)
+
+    def under_cap(self, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+        """The candidates whose queue is within ``queue_cap`` × (the others' mean queue
+        + the prompt's tokens); all of them if none is."""
+        n = len(candidates)
+        if n == 1:
+            return candidates
+        total = sum(c.queued for c in candidates)
+        prompt = max(c.uncached for c in candidates)
+        cap = self.config.queue_cap
+        open_ = [c for c in candidates if c.queued <= cap * ((total - c.queued) / (n - 1) + prompt)]
+        return open_ or candidates
 
     def tie_break(self, tied: Sequence[Candidate], request: RouteInput) -> Candidate:
-        if len(tied) == 1:
-            return tied[0]
-        if request.conversation_key is not None:
-            ranked = self.ring.rank(request.conversation_key, {c.replica_id for c in tied})
+        key = request.conversation_key
+        if key is None and request.last_key is not None:
+            key = request.last_key.hex()
+        if key is not None:
+            ranked = self.ring.rank(key, {c.replica_id for c in tied})
             if ranked is not None:
                 return next(c for c in tied if c.replica_id == ranked)
         return self.least_loaded(tied)
+
+
+def _by_match(candidate: Candidate) -> int:
+    return candidate.matched
+
+
+def _runner_up(candidates: Sequence[Candidate], chosen: Candidate) -> Candidate | None:
+    others = [c for c in candidates if c.replica_id != chosen.replica_id]
+    return min(others, key=_by_prediction) if others else None
+
+
+def _by_prediction(candidate: Candidate) -> float:
+    return candidate.predicted_s
+
+
+def _said(c: Candidate, request: RouteInput) -> str:
+    """One candidate's prediction as the reason states it."""
+    text = f"{c.replica_id} predicted {c.predicted_s * 1000:,.0f} ms"
+    parts = [f"matched {c.matched}/{request.total_blocks}"] if c.matched else []
+    if c.queued:
+        parts.append(f"queued {c.queued:,} tok")
+    return text + (f" ({', '.join(parts)})" if parts else "")
 
 
 # Every policy by name, the default first: the one list the gateway's flags offer.

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import itemgetter
 from typing import Any, NamedTuple
 
 from router.config import RouterConfig
+from router.cost import PrefillCost
 from router.health import CircuitBreaker
 from router.index import PrefixIndex
-from router.load import LoadTracker
+from router.load import InFlight, LoadTracker
 from router.policies import Candidate, RouteInput, make_policy
 from router.protocol import SHORT_KEY_BYTES, BlockEvent, ReplicaLoad, RoutedHint, Snapshot
 from router.ring import Ring
@@ -35,9 +35,11 @@ class NoHealthyReplica(RuntimeError):
 
 class Decision(NamedTuple):
     replica_id: str
-    reason: str  # "prefix_match 112/128 blocks", "ring", "overload_fallback", "least_loaded", ...
+    reason: str  # its first word is the kind: "prefix_match", "spill", "no_match", "ring", ...
     matched_blocks: int
     total_blocks: int
+    uncached_tokens: int = 0  # predicted: the prompt's tokens the replica must compute
+    queued_tokens: int = 0  # predicted: prefill tokens queued there ahead of it
 
 
 @dataclass(slots=True)
@@ -48,7 +50,10 @@ class ReplicaView:
     block_size: int
     static: bool
     breaker: CircuitBreaker
+    cost: PrefillCost
     load: LoadTracker = field(default_factory=LoadTracker)
+    # This gateway's requests there that have not finished (insertion order: oldest first).
+    requests: dict[InFlight, None] = field(default_factory=dict)
     last_seen: float = 0.0  # last registry record / heartbeat (discovered replicas)
     ttl_s: float = 15.0
     publishes_events: bool = False  # seen an event or snapshot: optimistic inserts expire
@@ -99,13 +104,8 @@ class Router:
         self._replicas: dict[str, ReplicaView] = {}
         self._hooks: list[RoutedHook] = []
         self._decisions: Counter[str] = Counter()
-        # The last decisions on new work (``recent_decisions_per_replica`` × replicas):
-        # how many went to each, the share of new conversations and keyless requests
-        # each replica has been taking lately (cache_aware's long-run balance; a
-        # continuing conversation stays where its history is and is not counted).
-        self._recent: deque[str] = deque()
-        self._recent_counts: Counter[str] = Counter()
-        self._conversations: OrderedDict[str, None] = OrderedDict()
+        # Learned from every replica's first bytes: the prior of a replica not timed yet.
+        self.cluster_cost = PrefillCost(self.config.prefill_s_per_token)
         self._expired_optimistic = 0
         self._resyncs = 0
 
@@ -151,6 +151,7 @@ class Router:
                 block_size,
                 static,
                 breaker,
+                PrefillCost(self.config.prefill_s_per_token),
                 LoadTracker(self.config.report_ttl_s),
                 ttl_s=self.config.replica_ttl_s,
             )
@@ -187,10 +188,13 @@ class Router:
         *,
         model: str | None = None,
         exclude: Collection[str] = (),
+        prompt_tokens: int | None = None,
     ) -> Decision:
         """The replica for a prompt whose block keys are ``keys``: short ones, as the
         gateway computes them (``KeySpace.short_keys``), or full ones, cut down here.
-        Copied either way: the optimistic insert keeps the list."""
+        Copied either way: the optimistic insert keeps the list. ``prompt_tokens``: the
+        prompt's length (None: its full blocks only), for the uncached-token prediction.
+        """
         short = list(map(_SHORT, keys)) if keys and len(keys[0]) > SHORT_KEY_BYTES else list(keys)
         now = self.clock()
         views = [
@@ -210,83 +214,111 @@ class Router:
         if index.pending >= self.config.max_deferred_inserts:
             index.fold()  # nobody folded lately (no request finished, no sweep): catch up
         matches = index.depths(index.lookup(short))
-        # tuple.__new__ directly: Candidate(...) and Candidate._make run Python code.
-        ids = [v.replica_id for v in views]
-        columns = [ids, [v.load.load for v in views], list(map(matches.get, ids, repeat(0)))]
-        sharing = self.config.share_slack is not None  # the window only feeds the share bound
-        # (tuple.__new__ skips the NamedTuple's default: every field is given.)
-        columns.append(
-            list(map(self._recent_counts.__getitem__, ids)) if sharing else [0] * len(ids)
-        )
-        candidates: list[Candidate] = list(
-            map(tuple.__new__, repeat(Candidate), zip(*columns, strict=True))
-        )
-        continuing = sharing and conversation_key is not None and self._seen(conversation_key)
+        prior = self.cluster_cost.s_per_token
+        decode = self.config.decode_tokens_per_request
+        candidates = []
+        for v in views:
+            matched = matches.get(v.replica_id, 0)
+            length = len(short) * v.block_size if prompt_tokens is None else prompt_tokens
+            candidates.append(
+                Candidate(
+                    v.replica_id,
+                    v.load.load,
+                    matched,
+                    v.load.queued,
+                    max(1, length - matched * v.block_size),  # at least one token computed
+                    v.cost.s_per_token if v.cost.samples else prior,
+                    decode,
+                )
+            )
         request = RouteInput(
-            candidates, len(short), conversation_key, short[0] if short else None, continuing
+            candidates,
+            len(short),
+            conversation_key,
+            short[0] if short else None,
+            short[-1] if short else None,
         )
         choice = self.policy.choose(request)
         chosen = self._replicas[choice.replica_id]
         chosen.breaker.on_dispatch()
+        matched = matches.get(chosen.replica_id, 0)
         if short:  # optimistic insert, visible at once, bookkeeping deferred (index.fold)
             index.insert_later(
-                chosen.replica_id,
-                short,
-                now + self.config.optimistic_ttl_s,
-                held=matches.get(chosen.replica_id, 0),
+                chosen.replica_id, short, now + self.config.optimistic_ttl_s, held=matched
             )
         self._decisions[choice.reason.split(" ", 1)[0]] += 1
-        if sharing and not continuing:  # the share bound spreads new work only
-            self._note_recent(chosen.replica_id)
         for hook in self._hooks:
             hook(chosen.replica_id, short)
+        picked = next(c for c in candidates if c.replica_id == choice.replica_id)
         return Decision(
-            choice.replica_id, choice.reason, matches.get(choice.replica_id, 0), len(short)
+            choice.replica_id, choice.reason, matched, len(short), picked.uncached, picked.queued
         )
-
-    def _seen(self, conversation_key: str) -> bool:
-        """Whether this router routed the conversation before (remembered up to a cap,
-        least recently seen forgotten first); notes it either way."""
-        seen = self._conversations
-        if conversation_key in seen:
-            seen.move_to_end(conversation_key)
-            return True
-        seen[conversation_key] = None
-        if len(seen) > self.config.remembered_conversations:
-            seen.popitem(last=False)
-        return False
-
-    def _note_recent(self, replica_id: str) -> None:
-        recent = self._recent_counts
-        self._recent.append(replica_id)
-        recent[replica_id] += 1
-        if len(self._recent) > self.config.recent_decisions_per_replica * len(self._replicas):
-            recent[self._recent.popleft()] -= 1
 
     def add_routed_hook(self, hook: RoutedHook) -> None:
         self._hooks.append(hook)
 
     # ----------------------------------------------------------------------- load, health
 
-    def request_started(self, replica_id: str) -> None:
+    def request_started(
+        self, replica_id: str, uncached_tokens: int = 0, queued_tokens: int = 0
+    ) -> InFlight:
+        """A request was sent to the replica, predicted (``Decision.uncached_tokens``,
+        ``Decision.queued_tokens``) to compute ``uncached_tokens`` behind
+        ``queued_tokens``. Its tokens count in the replica's queue until ``first_byte``
+        or ``request_finished``, whichever comes first; pass the handle to both."""
+        request = InFlight(replica_id, max(0, uncached_tokens), max(0, queued_tokens), self.clock())
         view = self._replicas.get(replica_id)
         if view is not None:
-            view.load.started()
+            view.requests[request] = None
+            view.load.started(request.uncached_tokens)
+        else:
+            request.queued, request.done = False, True  # nothing to account for
+        return request
 
-    def request_finished(self, replica_id: str, *, ok: bool | None) -> None:
-        """The replica is done with a request; ``ok`` is the breaker's verdict, None
-        when the outcome alone proves nothing (router/health.py: fault attribution; a
-        verdict found later goes to ``record_outcome``)."""
-        view = self._replicas.get(replica_id)
-        if view is not None:
-            view.load.finished()
-            if ok is None:
-                view.breaker.record_no_verdict()
-            else:
+    def first_byte(self, request: InFlight) -> None:
+        """The replica sent the request's first byte: its prefill is done. Its tokens
+        leave the queue and its time to first byte teaches the replica's cost per token.
+        Only the first call counts."""
+        if not request.queued:
+            return
+        request.queued = False
+        view = self._replicas.get(request.replica_id)
+        if view is None or request not in view.requests:
+            return
+        view.load.first_byte(request.uncached_tokens)
+        tokens = request.queued_tokens + request.uncached_tokens
+        ttft_s = self.clock() - request.started_at
+        view.cost.observe(tokens, ttft_s)
+        self.cluster_cost.observe(tokens, ttft_s)
+
+    def request_finished(self, request: InFlight | str, *, ok: bool | None) -> None:
+        """The replica is done with a request (answered, failed, or cancelled); ``ok``
+        is the breaker's verdict, None when the outcome alone proves nothing
+        (router/health.py: fault attribution; a verdict found later goes to
+        ``record_outcome``). Only the first call counts. A replica id in place of the
+        handle ends that replica's oldest unfinished request."""
+        if isinstance(request, str):
+            view = self._replicas.get(request)
+            oldest = next(iter(view.requests), None) if view is not None else None
+            if view is not None:
                 view.breaker.record(ok)
+            if oldest is not None:
+                self._finish(oldest)
+        elif not request.done:
+            view = self._replicas.get(request.replica_id)
+            if view is not None and request in view.requests:
+                view.breaker.record(ok)
+            self._finish(request)
         # The deferred optimistic inserts are folded in here, after a response, rather
         # than on some later request's routing decision.
         self.index.fold()
+
+    def _finish(self, request: InFlight) -> None:
+        request.done = True
+        view = self._replicas.get(request.replica_id)
+        if view is not None and view.requests.pop(request, 0) is None:  # it was there
+            view.load.finished(request.uncached_tokens if request.queued else 0)
+        request.queued = False
 
     def report_probe(self, replica_id: str, ok: bool) -> None:
         view = self._replicas.get(replica_id)
@@ -351,15 +383,10 @@ class Router:
             view.last_seq = None
 
     def forget_cached_state(self, replica_ids: Iterable[str] | None = None) -> None:
-        """After a prefix cache reset: forget what the replicas (default: all) held, and
-        start over on conversations and recent decisions (a conversation's history is
-        gone with the cache, so it is new work again)."""
+        """After a prefix cache reset: forget what the replicas (default: all) held."""
         for replica_id in self._replicas if replica_ids is None else replica_ids:
             if replica_id in self._replicas:
                 self.index.clear(replica_id)
-        self._conversations.clear()
-        self._recent.clear()
-        self._recent_counts.clear()
 
     def apply_hint(self, hint: RoutedHint) -> None:
         """Another gateway's optimistic insert."""
@@ -382,7 +409,7 @@ class Router:
             "decisions": dict(self._decisions),
             "index_blocks": len(self.index),
             "expired_optimistic": self._expired_optimistic,
-            "remembered_conversations": len(self._conversations),
+            "cluster_s_per_token": self.cluster_cost.s_per_token,
             "sequence_gaps": self._resyncs,
             "replicas": {
                 rid: {
@@ -390,6 +417,10 @@ class Router:
                     "breaker": v.breaker_state,
                     "in_flight": v.in_flight,
                     "load": v.load.load,
+                    "queued_tokens": v.load.queued,
+                    "own_queued_tokens": v.load.queued_tokens,
+                    "s_per_token": v.cost.s_per_token,
+                    "cost_samples": v.cost.samples,
                     "blocks": self.index.blocks(rid),
                     "optimistic_blocks": self.index.tentative_blocks(rid),
                     "last_seq": v.last_seq,
@@ -404,7 +435,14 @@ class Router:
         assert all(rid in self.ring for rid in self._replicas)
         for view in self._replicas.values():
             view.breaker.check_invariants()
-            assert view.load.in_flight >= 0
+            view.cost.check_invariants()
+            view.load.check_invariants()
+            assert view.load.in_flight == len(view.requests)
+            assert view.load.queued_tokens == sum(
+                r.uncached_tokens for r in view.requests if r.queued
+            )
+            assert all(not r.done and r.replica_id == view.replica_id for r in view.requests)
+        self.cluster_cost.check_invariants()
 
 
 def _normal_url(url: str) -> str:

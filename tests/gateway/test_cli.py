@@ -10,19 +10,17 @@ from router.config import RouterConfig
 
 def test_router_options_reach_the_router_config_with_clear_errors() -> None:
     args = build_parser().parse_args(
-        ["--router-option", "load_slack=0.25", "--router-option", "share-slack=0.15"]
+        ["--router-option", "load_slack=0.25", "--router-option", "queue-cap=6"]
     )
     config = config_from_args(args).router
-    assert (config.load_slack, config.share_slack) == (0.25, 0.15)
+    assert (config.load_slack, config.queue_cap) == (0.25, 6.0)
     assert config.load_abs_slack == RouterConfig().load_abs_slack  # the rest: defaults
-    off = build_parser().parse_args(["--router-option", "share_slack=off"])
-    assert config_from_args(off).router.share_slack is None
     for bad, says in (
         ("no_such=1", "NAME one of"),
         ("load_slack", "NAME=VALUE"),
         ("load_abs_slack=1.5", "is not a valid int"),
         ("load_slack=-1", "non-negative"),
-        ("load_slack=off", "is not a valid float"),  # only share_slack can be off
+        ("load_slack=off", "is not a valid float"),
     ):
         with pytest.raises(ValueError, match=says):
             config_from_args(build_parser().parse_args(["--router-option", bad]))

@@ -163,7 +163,7 @@ def test_auth_required_when_keys_are_configured(stack: Stack) -> None:
 def test_shared_prefix_is_known_at_once_without_events(stack: Stack) -> None:
     # The stubs publish no block events: only the gateway's optimistic inserts can tell
     # it who holds the prefix. Every request after the first finds it (prefix_match on
-    # the holder, or overload_fallback when the share bound spreads it to the other).
+    # the holder, or spill when the cost model predicts the other sooner).
     prefix = "You are a careful assistant. " * 40
     c = client(stack, "sk-beta")
     routes = [
@@ -173,7 +173,7 @@ def test_shared_prefix_is_known_at_once_without_events(stack: Stack) -> None:
         for i in range(6)
     ]
     reasons = [r["x-prefixgate-route"].split(";")[0].split(" ")[0] for r in routes[1:]]
-    assert set(reasons) <= {"prefix_match", "overload_fallback"}, reasons
+    assert set(reasons) <= {"prefix_match", "spill"}, reasons
     assert "prefix_match" in reasons, reasons
 
 

@@ -193,7 +193,6 @@ def test_reset_prefix_cache_resets_every_replica_and_every_gateway_view(
     stats = httpx.get(cluster.open_gw.url + "/router/stats").json()
     for rid, view in stats["replicas"].items():
         assert view["blocks"] == 0 and view["last_seq"] >= replicas[rid]["seq"], stats
-    assert stats["remembered_conversations"] == 0
 
     # Another gateway learns it from the events (hints of the requests before the reset
     # may still reach it afterwards: those stay optimistic, and expire unconfirmed).

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
 from router.config import RouterConfig
-from router.policies import POLICIES, Candidate, Policy, RouteInput, make_policy
+from router.policies import POLICIES, CacheAware, Candidate, Policy, RouteInput, make_policy
 from router.ring import Ring
 
 IDS = ["r0", "r1", "r2", "r3"]
+COST = 0.001  # seconds per prefill token: predictions in ms = tokens
+TIE = CacheAware.TIE_TOKENS
 
 
-def policy(name: str, seed: int = 0, **config: float) -> object:
+def policy(name: str, seed: int = 0, **config: float) -> Policy:
     ring = Ring()
     for rid in IDS:
         ring.add(rid)
@@ -22,17 +25,24 @@ def policy(name: str, seed: int = 0, **config: float) -> object:
 
 
 def request(
-    loads: list[int],
-    matched: list[int],
+    loads: Sequence[int],
+    matched: Sequence[int] = (0, 0, 0, 0),
     conversation: str | None = None,
-    recent: list[int] | None = None,
-    continuing: bool = False,
+    *,
+    queued: Sequence[int] = (0, 0, 0, 0),
+    uncached: Sequence[int] | None = None,
+    costs: Sequence[float] = (COST,) * 4,
+    decode: int = 0,
 ) -> RouteInput:
+    """Four candidates r0..r3 of an 8-block (128-token) prompt; uncached tokens default
+    to the blocks each does not hold."""
+    if uncached is None:
+        uncached = [max(1, 128 - 16 * m) for m in matched]
     cands = [
-        Candidate(rid, load, m, r)
-        for rid, load, m, r in zip(IDS, loads, matched, recent or [0] * 4, strict=True)
+        Candidate(rid, load, m, q, u, c, decode)
+        for rid, load, m, q, u, c in zip(IDS, loads, matched, queued, uncached, costs, strict=True)
     ]
-    return RouteInput(cands, 8, conversation, b"k" * 16, continuing)
+    return RouteInput(cands, 8, conversation, b"f" * 16, b"l" * 16)
 
 
 def test_unknown_policy_is_a_value_error() -> None:
@@ -40,105 +50,97 @@ def test_unknown_policy_is_a_value_error() -> None:
         policy("nope")
 
 
-def test_cache_aware_longest_prefix_wins() -> None:
-    choice = policy("cache_aware").choose(request([1, 1, 1, 1], [2, 8, 3, 0]))  # type: ignore[attr-defined]
+def test_cache_aware_predicts_and_the_longest_cached_prefix_wins_on_idle_replicas() -> None:
+    choice = policy("cache_aware").choose(request([1, 1, 1, 1], [2, 8, 3, 0]))
     assert choice.replica_id == "r1"
-    assert choice.reason == "prefix_match 8/8 blocks"
+    # r1 computes 1 token (at least one always is): 1 ms; the runner-up r2: 80 ms.
+    assert choice.reason == (
+        "prefix_match cost: r1 predicted 1 ms (matched 8/8), r2 predicted 80 ms (matched 3/8)"
+    )
 
 
-def test_cache_aware_overloaded_best_match_falls_back_to_next_best() -> None:
-    # queue bound = ceil(1.5 * (12 + 1) / 4) + 1 = 6; r0 would hold 10 > 6.
-    choice = policy("cache_aware").choose(request([9, 1, 1, 1], [8, 4, 0, 0]))  # type: ignore[attr-defined]
-    assert choice == ("r1", "overload_fallback")
-
-
-def test_cache_aware_hot_prefix_spreads_to_an_open_replica() -> None:
-    # Everyone's request shares the prefix that only r0 holds; r0 is over its share.
-    choice = policy("cache_aware").choose(request([9, 1, 0, 2], [8, 0, 0, 0]))  # type: ignore[attr-defined]
-    assert choice == ("r2", "overload_fallback")  # the least loaded open replica
-
-
-def share_policy() -> Policy:
-    """cache_aware with the default bounds: share ε 0.1 (+0), queue ε 0.5 (+1)."""
-    return policy("cache_aware")  # type: ignore[return-value]
-
-
-def test_cache_aware_share_bound_spreads_what_sticks() -> None:
-    # r0 holds the prefix and is not queued, but took 30 of the last 64 decisions:
-    # share bound = ceil(1.1 * (64 + 1) / 4) = 18 < 31.
-    recent = [30, 10, 12, 12]
-    req = request([2, 2, 1, 2], [8, 0, 0, 0], None, recent)
-    assert share_policy().choose(req) == ("r2", "overload_fallback")
-    # Turned off, or for a conversation the router has routed before: the match wins.
-    off = policy("cache_aware", share_slack=None)  # type: ignore[arg-type]
-    assert off.choose(req) == ("r0", "prefix_match 8/8 blocks")  # type: ignore[attr-defined]
-    continuing = request([2, 2, 1, 2], [8, 0, 0, 0], "chat-1", recent, continuing=True)
-    assert share_policy().choose(continuing) == ("r0", "prefix_match 8/8 blocks")
-    # Within its share (17 + 1 <= ceil(1.1 * 63 / 4) = 18) it keeps the match.
-    recent = [17, 15, 15, 15]
-    choice = share_policy().choose(request([2, 2, 1, 2], [8, 0, 0, 0], None, recent))
-    assert choice == ("r0", "prefix_match 8/8 blocks")
-
-
-def test_cache_aware_queue_bound_wins_when_no_replica_passes_both() -> None:
-    # r3 has the fewest recent decisions but a queue (bound ceil(1.5*9/4)+1 = 5 < 9);
-    # r0-r2 are over their share (bound ceil(1.1*41/4) = 12): the queue bound alone.
-    recent = [13, 13, 14, 0]
-    loads = [0, 0, 0, 8]
-    choice = share_policy().choose(request(loads, [0, 3, 0, 8], None, recent))
-    assert choice == ("r1", "overload_fallback")
-
-
-def test_cache_aware_small_imbalance_keeps_the_match() -> None:
-    # queue bound = ceil(1.5 * (15 + 1) / 4) + 1 = 7: r0 taking a 5th request is within
-    # it, and 8 matched blocks outweigh one request more in flight at 4 blocks a request.
-    pol = policy("cache_aware", load_cost_blocks=4)
-    choice = pol.choose(request([4, 4, 3, 4], [8, 0, 0, 0]))  # type: ignore[attr-defined]
-    assert choice == ("r0", "prefix_match 8/8 blocks")
-
-
-def test_cache_aware_prices_load_in_blocks() -> None:
-    # Everyone is under the bound (ceil(1.5 * 8 / 4) + 1 = 4); r0's one-block match is
-    # not worth a request more in flight than r1 at the default 2 blocks a request ...
-    choice = policy("cache_aware").choose(request([2, 1, 2, 2], [1, 0, 0, 0]))  # type: ignore[attr-defined]
-    assert choice == ("r1", "load_tradeoff")
-    # ... but 8 blocks are at 4 blocks a request; and with load priced at 0 any longer
-    # match wins.
-    choice = policy("cache_aware", load_cost_blocks=4).choose(request([2, 1, 2, 2], [8, 0, 0, 0]))  # type: ignore[attr-defined]
-    assert choice == ("r0", "prefix_match 8/8 blocks")
-    choice = policy("cache_aware", load_cost_blocks=0).choose(request([2, 1, 2, 2], [1, 0, 0, 0]))  # type: ignore[attr-defined]
-    assert choice == ("r0", "prefix_match 1/8 blocks")
-
-
-def test_cache_aware_ties_go_to_the_conversation_ring() -> None:
+@pytest.mark.parametrize("queue", [0, 400, 500 - TIE, 500 + TIE + 1, 2000])
+def test_a_queued_replica_loses_to_an_idle_one_exactly_when_recomputing_is_cheaper(
+    queue: int,
+) -> None:
+    # r0 holds the document (10 uncached tokens) behind ``queue`` tokens; r1..r3 are
+    # idle and would compute all 510. Same cost per token everywhere.
+    req = request([1, 0, 0, 0], [8, 0, 0, 0], queued=[queue, 0, 0, 0], uncached=[10, 510, 510, 510])
     pol = policy("cache_aware")
-    ring_first = pol.ring.rank("conv-7", set(IDS))  # type: ignore[attr-defined]
-    choice = pol.choose(request([1, 1, 1, 1], [4, 4, 4, 4], "conv-7"))  # type: ignore[attr-defined]
-    assert choice.replica_id == ring_first
+    choice = pol.choose(req)
+    if abs(queue + 10 - 510) <= TIE:  # within a block's prefill: a tie, the ring decides
+        assert choice.replica_id == pol.ring.rank(b"l".hex() * 16, set(IDS))
+    if queue + 10 < 510 - TIE:
+        assert choice.replica_id == "r0" and choice.reason.startswith("prefix_match")
+    if queue + 10 > 510 + TIE:  # recomputing elsewhere is cheaper: the hot prefix spreads
+        assert choice.replica_id != "r0"
+        assert choice.reason.startswith("spill cost: ")
+        assert f"r0 predicted {queue + 10:,} ms (matched 8/8, queued {queue:,} tok)" in (
+            choice.reason
+        )
 
 
-def test_cache_aware_ties_without_conversation_go_to_the_least_loaded() -> None:
-    choice = policy("cache_aware").choose(request([2, 1, 0, 2], [4, 4, 4, 0]))  # type: ignore[attr-defined]
-    assert choice.replica_id == "r2"
+def test_a_slower_replica_gets_work_only_when_it_is_predicted_sooner() -> None:
+    # r0 is 3x slower per token: with the prefix on both r0 and r1, r1 wins ...
+    slow = [3 * COST, COST, COST, COST]
+    req = request([0, 0, 0, 0], [8, 8, 0, 0], uncached=[100, 100, 128, 128], costs=slow)
+    assert policy("cache_aware").choose(req).replica_id == "r1"
+    # ... until r1's queue costs more than r0's slower compute (300 ms < 100 + 250).
+    req = request(
+        [0, 1, 0, 0], [8, 8, 0, 0], queued=[0, 250, 0, 0], uncached=[100, 100, 400, 400], costs=slow
+    )
+    assert policy("cache_aware").choose(req).replica_id == "r0"
 
 
-def test_cache_aware_no_match_uses_ring_or_two_choices() -> None:
+def test_ties_follow_the_conversation_ring_then_the_prompts_last_block() -> None:
     pol = policy("cache_aware")
-    with_conv = pol.choose(request([0, 0, 0, 0], [0, 0, 0, 0], "conv-1"))  # type: ignore[attr-defined]
-    assert with_conv.reason == "ring"
-    assert with_conv.replica_id == pol.ring.rank("conv-1", set(IDS))  # type: ignore[attr-defined]
-    without = pol.choose(request([5, 0, 5, 5], [0, 0, 0, 0]))  # type: ignore[attr-defined]
-    assert without.reason == "least_loaded"
+    for conv in ("conv-7", "conv-8", "conv-9"):
+        choice = pol.choose(request([1, 1, 1, 1], [4, 4, 4, 4], conv))
+        assert choice.replica_id == pol.ring.rank(conv, set(IDS))
+    # Within a block's prefill of the best is a tie too; a worse one is not in it.
+    choice = pol.choose(request([1, 1, 1, 1], [4, 4, 4, 0], "conv-7", queued=[0, TIE, 3, 0]))
+    assert choice.replica_id == pol.ring.rank("conv-7", {"r0", "r1", "r2"})
+    # Without a conversation, the prompt's last block key.
+    keyless = pol.choose(request([1, 1, 1, 1], [4, 4, 4, 4]))
+    assert keyless.replica_id == pol.ring.rank(b"l".hex() * 16, set(IDS))
+
+
+def test_ties_without_any_key_go_to_the_least_loaded() -> None:
+    req = request([2, 1, 0, 2], [0, 0, 0, 0])
+    choice = policy("cache_aware").choose(RouteInput(req.candidates, 0, None, None, None))
+    assert choice.replica_id == "r2" and choice.reason.startswith("no_match cost: ")
+
+
+def test_decode_pressure_counts_each_request_in_flight() -> None:
+    # Same prefix on r0 and r1; r0 runs 3 requests, r1 one: 3·64 + 10 > 1·64 + 10.
+    req = request([3, 1, 0, 0], [8, 8, 0, 0], uncached=[10, 10, 500, 500], decode=64)
+    assert policy("cache_aware").choose(req).replica_id == "r1"
+
+
+def test_the_safety_cap_refuses_a_queue_far_over_the_mean() -> None:
+    # r0 would win on the prediction (its cost is tiny) but its queue is over 4x (the
+    # others' mean queue + the prompt): the cap keeps it out while another is open.
+    req = request(
+        [0, 0, 0, 0],
+        [8, 0, 0, 0],
+        queued=[1_000, 0, 0, 0],
+        uncached=[10, 128, 128, 128],
+        costs=[COST / 1000, COST, COST, COST],
+    )
+    assert policy("cache_aware").choose(req).replica_id != "r0"
+    assert policy("cache_aware", queue_cap=1000.0).choose(req).replica_id == "r0"
 
 
 @pytest.mark.parametrize("name", ["cache_aware", "least_loaded", "power_of_two", "random"])
 def test_no_list_order_bias(name: str) -> None:
-    """Equal matches and loads: every replica gets a fair share, first in list or not."""
+    """Equal predictions and loads: every replica gets a fair share, first in list or
+    not (cache_aware: per prompt's last block; here each request has its own)."""
     pol = policy(name, seed=1)
-    counts = Counter(
-        pol.choose(request([1, 1, 1, 1], [3, 3, 3, 3])).replica_id  # type: ignore[attr-defined]
-        for _ in range(800)
-    )
+    counts: Counter[str] = Counter()
+    for i in range(800):
+        req = request([1, 1, 1, 1], [3, 3, 3, 3])
+        last = i.to_bytes(16, "little")
+        counts[pol.choose(req._replace(last_key=last)).replica_id] += 1
     assert set(counts) == set(IDS)
     assert max(counts.values()) < 800 / 4 * 1.35
 
@@ -146,44 +148,44 @@ def test_no_list_order_bias(name: str) -> None:
 def test_cache_aware_ties_spread_over_conversations() -> None:
     pol = policy("cache_aware")
     counts = Counter(
-        pol.choose(request([1, 1, 1, 1], [3, 3, 3, 3], f"c{i}")).replica_id  # type: ignore[attr-defined]
-        for i in range(800)
+        pol.choose(request([1, 1, 1, 1], [3, 3, 3, 3], f"c{i}")).replica_id for i in range(800)
     )
     assert set(counts) == set(IDS) and max(counts.values()) < 800 / 4 * 1.35
 
 
 def test_round_robin_cycles_in_id_order_whatever_the_list_order() -> None:
     pol = policy("round_robin")
-    req = request([0, 0, 0, 0], [0, 0, 0, 0])
-    shuffled = RouteInput(list(reversed(req.candidates)), 8, None, None)
-    picks = [pol.choose(req if i % 2 else shuffled).replica_id for i in range(8)]  # type: ignore[attr-defined]
+    req = request([0, 0, 0, 0])
+    shuffled = req._replace(candidates=list(reversed(req.candidates)))
+    picks = [pol.choose(req if i % 2 else shuffled).replica_id for i in range(8)]
     assert picks == IDS + IDS
 
 
 def test_least_loaded_and_power_of_two() -> None:
-    assert policy("least_loaded").choose(request([3, 2, 0, 1], [0] * 4)).replica_id == "r2"  # type: ignore[attr-defined]
+    assert policy("least_loaded").choose(request([3, 2, 0, 1])).replica_id == "r2"
     pol = policy("power_of_two", seed=3)
-    picks = Counter(pol.choose(request([9, 0, 0, 0], [0] * 4)).replica_id for _ in range(200))  # type: ignore[attr-defined]
+    picks = Counter(pol.choose(request([9, 0, 0, 0])).replica_id for _ in range(200))
     assert picks["r0"] == 0  # the loaded one never wins a pair
 
 
 def test_consistent_hash_is_sticky_and_skips_overloaded_nodes() -> None:
     pol = policy("consistent_hash")
-    home = pol.ring.rank("conv-3", set(IDS))  # type: ignore[attr-defined]
+    home = pol.ring.rank("conv-3", set(IDS))
+    assert home is not None
     loads = [1, 1, 1, 1]
-    assert pol.choose(request(loads, [0] * 4, "conv-3")) == (home, "ring")  # type: ignore[attr-defined]
+    assert pol.choose(request(loads, conversation="conv-3")) == (home, "ring")
     loads[IDS.index(home)] = 20  # over (1+ε)·mean: the next node on the ring takes it
-    choice = pol.choose(request(loads, [0] * 4, "conv-3"))  # type: ignore[attr-defined]
-    walk = [r for r in pol.ring.walk("conv-3")]  # type: ignore[attr-defined]
+    choice = pol.choose(request(loads, conversation="conv-3"))
+    walk = list(pol.ring.walk("conv-3"))
     assert choice == (walk[1], "ring_skip_overloaded")
 
 
-def test_every_policy_is_registered() -> None:
-    assert set(POLICIES) == {
+def test_every_policy_is_registered_default_first() -> None:
+    assert list(POLICIES) == [
+        "cache_aware",
         "round_robin",
         "random",
         "least_loaded",
         "power_of_two",
         "consistent_hash",
-        "cache_aware",
-    }
+    ]
