@@ -154,9 +154,9 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
     health = {f"replica-{i}": f"{url}/health" for i, url in enumerate(replica_urls)}
     if not stack.wait_ready(health, args.ready_timeout_s):
         return 0 if stack.stop_signal is not None else 1
-    # Every replica healthy in the gateway's eyes, not just answering: probes that failed
-    # while the replicas loaded opened their breakers, and the first requests would
-    # otherwise all go to the replicas that happened to be probed again first.
+    # Every replica healthy in the gateway's eyes, not just answering: a replica takes
+    # traffic once the gateway's own probe has reached it, and the first requests would
+    # otherwise all go to the replicas that happened to be probed first.
     ready_url = f"{gateway_url}/ready?min_replicas={args.replicas}"
     if not stack.wait_ready({"gateway": ready_url}, args.ready_timeout_s):
         return 0 if stack.stop_signal is not None else 1
