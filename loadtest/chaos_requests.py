@@ -3,11 +3,13 @@
 Honest turns come from a few dozen conversations under a handful of shared system
 prompts, so that the router has prefixes to keep warm (and more than one replica to keep
 them on) and a restarted part has a cache to find again.
-Hostile bodies are one of each input class that has stopped or wedged a server before,
-or that a server must refuse with a 4xx: numbers outside int64, denormal sampling
-parameters, lone surrogates, token ids outside the vocabulary or uint32, JSON nested
-deep or with a 5,000-digit integer, bodies that are not JSON or not UTF-8, and an
-oversized request id.
+
+Hostile bodies are one of each input class that reaches parsing, validation, the
+tokenizer or the sampler in a way that could stop a server: numbers outside int64,
+denormal sampling parameters, lone surrogates, token ids outside the vocabulary or
+uint32, JSON nested deep or with a 5,000-digit integer, bodies that are not JSON or not
+UTF-8, and an oversized request id. Each must get a 4xx (or, where the body is valid
+after all, an answer), never a 5xx or a hang.
 """
 
 from __future__ import annotations
