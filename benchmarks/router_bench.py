@@ -7,7 +7,11 @@ Fills the index with ``--blocks`` distinct blocks held by ``--replicas`` replica
 two replicas), measures index memory with tracemalloc, then times ``Router.route`` for
 2,048-token prompts (128 short keys, precomputed: key hashing is excluded) that reuse a
 random cached chain's first half and add new blocks, like a conversation's next turn.
-The optimistic insert's bookkeeping is deferred to ``request_finished`` (reported too).
+Each request goes through the gateway's calls: ``route``, ``request_started`` with the
+predicted tokens, ``first_byte``, ``request_finished`` (which folds the deferred
+optimistic insert; reported too). GC pauses: the longest full collection with the index
+built (``gc.callbacks`` timing each collection), and every collection during the
+timed loop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import random
 import statistics
 import time
 import tracemalloc
+from typing import Any
 
 from router.router import Router
 
@@ -40,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         router.add_replica(rid, f"http://{rid}", static=True)
 
     n_chains = args.blocks // CHAIN
-    chains = [[rng.randbytes(16) for _ in range(CHAIN)] for _ in range(n_chains)]
+    # Tuples of bytes: the collector stops tracking them, so a full collection measures
+    # the index, not this script's copy of the keys.
+    chains = [tuple(rng.randbytes(16) for _ in range(CHAIN)) for _ in range(n_chains)]
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -61,11 +68,21 @@ def main(argv: list[str] | None = None) -> None:
         f"index memory:   {index_bytes / 2**20:.1f} MiB = {index_bytes / indexed:.0f} bytes/block"
     )
 
-    # The index was built a moment ago, so its LRU dicts (GC-tracked containers of ~10⁶
-    # entries) are still in the young generations: the first two collections during the
-    # timed loop would traverse them (~60 and ~100 ms, one request each). In a gateway
-    # that has been up a while they sit in the oldest generation, as after this collect.
-    gc.collect()
+    pauses: list[tuple[int, float]] = []  # (generation, seconds) per collection
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(on_gc)
+    for _ in range(3):
+        gc.collect()
+    full = max(p for _g, p in pauses)
+    print(f"full collection with the index built: max {full * 1000:.1f} ms over 3")
+    pauses.clear()
 
     # Wall time, and this thread's CPU time: on a shared machine the wall clock also
     # counts the time other processes held the core.
@@ -80,12 +97,15 @@ def main(argv: list[str] | None = None) -> None:
         keys = [k + bytes(tail) for k in base[: CHAIN // 2]]  # fresh objects, same content
         keys += [rng.randbytes(16 + tail) for _ in range(CHAIN // 2)]
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-        decision = router.route(keys, conversation_key=None)
+        decision = router.route(keys, conversation_key=None, prompt_tokens=CHAIN * 16)
         latencies.append((time.perf_counter_ns() - t0) / 1000)
         cpu.append((time.thread_time_ns() - c0) / 1000)
-        router.request_started(decision.replica_id)
+        request = router.request_started(
+            decision.replica_id, decision.uncached_tokens, decision.queued_tokens
+        )
+        router.first_byte(request)
         c1 = time.thread_time_ns()
-        router.request_finished(decision.replica_id, ok=True)  # folds the deferred insert
+        router.request_finished(request, ok=True)  # folds the deferred insert
         finish.append((time.thread_time_ns() - c1) / 1000)
     for label, values in (("wall", latencies), ("cpu ", cpu)):
         values.sort()
@@ -99,6 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"request_finished() cpu (folds the deferred optimistic insert, after the response):"
         f" p50 {finish[len(finish) // 2]:.0f} µs, mean {statistics.fmean(finish):.0f} µs"
+    )
+    gc.callbacks.remove(on_gc)
+    worst = max((p for _g, p in pauses), default=0.0)
+    counts = [sum(1 for g, _p in pauses if g == gen) for gen in range(3)]
+    print(
+        f"collections during the loop (gen 0/1/2): {counts[0]}/{counts[1]}/{counts[2]},"
+        f" longest {worst * 1000:.2f} ms"
     )
     print(f"decisions: {router.stats()['decisions']}")
 

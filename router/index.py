@@ -6,17 +6,18 @@ path of blocks before it. So the radix tree needs no explicit edges: the map
 the tree from the root. ``match`` stops at the first key no candidate holds, and
 ``lookup`` at the first key nobody holds.
 
-Memory is the design constraint (target ≤ 200 bytes per indexed block at 10⁶ blocks):
+Memory and pauses are the design constraints (docs/BENCHMARKS.md, "Decision latency
+and index memory"): no container the garbage collector tracks grows with the index.
 
 * node   = one dict entry ``short key (16 B) -> int bitmask of replica slots``; masks
   are interned so that a million nodes share a few dozen int objects;
-* LRU    = one ``OrderedDict[key, None]`` per replica, oldest first, sharing the key
-  objects of the node map. "When it last touched it" is the position in that order.
+* LRU    = per replica a ``BlockLRU`` (router/lru.py): generations of untracked dicts
+  sharing the node map's key objects, plus bytearray logs of their order.
 
 A chain is touched deepest block first, so the first block of a prefix is always newer
-than its continuation and cap eviction (``popitem(last=False)``, O(1)) takes a replica's
-oldest *leaves* first, keeping shared heads alive — the same order the replicas' caches
-evict in. Eviction happens a few blocks per insert, never as a walk over the tree.
+than its continuation and cap eviction takes a replica's oldest *leaves* first, keeping
+shared heads alive — the same order the replicas' caches evict in. Eviction happens a
+few blocks per insert, never as a walk over the tree.
 
 Optimistic (tentative) inserts sit in a per-replica dict ``key -> deadline`` in
 deadline order until an event confirms them or ``expire`` drops them.
@@ -30,19 +31,20 @@ operations per block of an eager insert is a cache miss; the overlay is small an
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, groupby, repeat, takewhile
-from operator import and_, not_, or_, truth
+from itertools import groupby, repeat, takewhile
+from operator import or_, truth
 from typing import NamedTuple
+
+from router.lru import BlockLRU
 
 
 @dataclass(slots=True)
 class _ReplicaBlocks:
     slot: int
-    lru: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
-    tentative: dict[bytes, float] = field(default_factory=dict)
+    lru: BlockLRU
+    tentative: dict[bytes, float] = field(default_factory=dict)  # untracked: bytes -> float
 
 
 class _Pending(NamedTuple):
@@ -88,7 +90,8 @@ class PrefixIndex:
             except ValueError:
                 slot = len(self._slot_owner)
                 self._slot_owner.append(replica_id)
-            blocks = self._replicas[replica_id] = _ReplicaBlocks(slot)
+            gen_size = max(1, self.max_blocks_per_replica // 8)
+            blocks = self._replicas[replica_id] = _ReplicaBlocks(slot, BlockLRU(gen_size))
         return blocks
 
     def drop_replica(self, replica_id: str) -> None:
@@ -158,58 +161,21 @@ class PrefixIndex:
         blocks = self._blocks_of(replica_id)
         bit = 1 << blocks.slot
         nodes, lru, tentative = self._nodes, blocks.lru, blocks.tentative
-        masks = list(map(nodes.get, keys, repeat(0)))
-        # Fast path for the common shape: a held head, then new blocks. The held head is
-        # refreshed at C speed; the rest goes through the general loop below.
-        held = list(map(and_, masks, repeat(bit)))
-        head = held.index(0) if 0 in held else len(keys)
-        intern = self._masks.setdefault
-        tail = list(reversed(keys[head:]))  # deepest first: heads end up newest (module doc)
-        if any(held[head:]):
-            self._insert_slow(blocks, tail, tentative_until)
-        elif tail:  # all new to this replica: bulk updates at C speed
-            tail_masks = masks[: head - 1 if head else None : -1]
-            fresh = list(compress(tail, map(not_, tail_masks)))
-            nodes.update(dict.fromkeys(fresh, intern(bit, bit)))
-            if len(fresh) < len(tail):  # blocks other replicas hold already
-                for key, mask in zip(tail, tail_masks, strict=True):
-                    if mask:
-                        nodes[key] = intern(mask | bit, mask | bit)
-            lru.update(dict.fromkeys(tail))
-            if tentative_until is not None:
-                tentative.update(dict.fromkeys(tail, tentative_until))
-        head_keys = keys[:head]
-        deque(map(lru.move_to_end, reversed(head_keys)), maxlen=0)
-        if tentative_until is None and tentative:  # confirmed: no longer tentative
-            deque(map(tentative.pop, head_keys, repeat(None)), maxlen=0)
-        overflow = len(lru) - self.max_blocks_per_replica
-        for _ in range(overflow):
-            key, _none = lru.popitem(last=False)
-            tentative.pop(key, None)
-            self._unset(key, bit)
-
-    def _insert_slow(
-        self, blocks: _ReplicaBlocks, keys: list[bytes], tentative_until: float | None
-    ) -> None:
-        bit = 1 << blocks.slot
-        nodes, lru, tentative = self._nodes, blocks.lru, blocks.tentative
-        for key in keys:
+        for key in reversed(keys):  # deepest first: heads end up newest (module doc)
             mask = nodes.get(key, 0)
             if mask & bit:
-                lru.move_to_end(key)
-                self._retag(tentative, key, tentative_until)
-                continue
+                lru.touch(key)
+                if tentative_until is None:  # an event confirms it
+                    tentative.pop(key, None)
+                continue  # a repeated optimistic insert keeps the first deadline
             nodes[key] = self._intern(mask | bit)
-            lru[key] = None
+            lru.add(key)
             if tentative_until is not None:
                 tentative[key] = tentative_until
-
-    @staticmethod
-    def _retag(tentative: dict[bytes, float], key: bytes, until: float | None) -> None:
-        """A held block seen again: an event confirms it (until None); a repeated
-        optimistic insert keeps the first deadline (the dict stays in deadline order)."""
-        if until is None:
+        while len(lru) > self.max_blocks_per_replica:
+            key = lru.evict()
             tentative.pop(key, None)
+            self._unset(key, bit)
 
     def remove(self, replica_id: str, keys: Iterable[bytes]) -> None:
         """The replica no longer holds ``keys`` (unknown keys are ignored)."""
@@ -219,7 +185,7 @@ class PrefixIndex:
             return
         bit = 1 << blocks.slot
         for key in keys:
-            if blocks.lru.pop(key, 0) is None:  # present (its value is None)
+            if blocks.lru.discard(key):
                 blocks.tentative.pop(key, None)
                 self._unset(key, bit)
 
@@ -331,6 +297,7 @@ class PrefixIndex:
             assert self._slot_owner[blocks.slot] == replica_id
             assert len(blocks.lru) <= self.max_blocks_per_replica
             bit = 1 << blocks.slot
+            blocks.lru.check_invariants()
             for key in blocks.lru:
                 assert self._nodes[key] & bit, "LRU entry without its node bit"
             for key in blocks.tentative:

@@ -194,34 +194,48 @@ class CacheAware(Policy):
     TIE_TOKENS = 16  # one block at the default block size
 
     def choose(self, request: RouteInput) -> Choice:
+        # One plain pass for the predictions; every request runs this (route() latency,
+        # docs/BENCHMARKS.md).
         candidates = request.candidates
         open_ = self.under_cap(candidates)
-        predicted = [c.predicted_s for c in open_]
-        best = min(predicted)
-        slack = self.TIE_TOKENS * min(c.cost for c in open_)
-        tied = [c for c, p in zip(open_, predicted, strict=True) if p <= best + slack]
+        predicted: dict[str, float] = {}
+        best = cheapest = math.inf
+        longest = candidates[0]
+        for c in candidates:
+            predicted[c.replica_id] = (c.queued + c.uncached + c.load * c.decode_tokens) * c.cost
+            if c.matched > longest.matched:
+                longest = c
+        for c in open_:
+            if predicted[c.replica_id] < best:
+                best = predicted[c.replica_id]
+            if c.cost < cheapest:
+                cheapest = c.cost
+        limit = best + self.TIE_TOKENS * cheapest
+        tied = [c for c in open_ if predicted[c.replica_id] <= limit]
         chosen = tied[0] if len(tied) == 1 else self.tie_break(tied, request)
-        longest = max(candidates, key=_by_match)
-        if longest.matched == 0:
-            kind, other = "no_match", _runner_up(candidates, chosen)
-        elif chosen.matched >= longest.matched:
-            kind, other = "prefix_match", _runner_up(candidates, chosen)
+        other: Candidate | None = longest
+        if longest.matched > chosen.matched:
+            kind = "spill"
         else:
-            kind, other = "spill", longest
-        reason = f"{kind} cost: {_said(chosen, request)}"
+            kind = "prefix_match" if chosen.matched else "no_match"
+            other = None
+            for c in candidates:
+                if c is not chosen and (other is None or _sooner(predicted, c, other)):
+                    other = c
+        reason = f"{kind} cost: {_said(chosen, predicted, request)}"
         if other is not None:
-            reason += f", {_said(other, request)}"
+            reason += f", {_said(other, predicted, request)}"
         return Choice(chosen.replica_id, reason)
 
     def under_cap(self, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
         """The candidates whose queue is within ``queue_cap`` × (the others' mean queue
         + the prompt's tokens); all of them if none is."""
         n = len(candidates)
-        if n == 1:
-            return candidates
-        total = sum(c.queued for c in candidates)
         prompt = max(c.uncached for c in candidates)
         cap = self.config.queue_cap
+        if n == 1 or max(c.queued for c in candidates) <= cap * prompt:
+            return candidates  # nobody can be over the cap
+        total = sum(c.queued for c in candidates)
         open_ = [c for c in candidates if c.queued <= cap * ((total - c.queued) / (n - 1) + prompt)]
         return open_ or candidates
 
@@ -240,18 +254,13 @@ def _by_match(candidate: Candidate) -> int:
     return candidate.matched
 
 
-def _runner_up(candidates: Sequence[Candidate], chosen: Candidate) -> Candidate | None:
-    others = [c for c in candidates if c.replica_id != chosen.replica_id]
-    return min(others, key=_by_prediction) if others else None
+def _sooner(predicted: Mapping[str, float], a: Candidate, b: Candidate) -> bool:
+    return predicted[a.replica_id] < predicted[b.replica_id]
 
 
-def _by_prediction(candidate: Candidate) -> float:
-    return candidate.predicted_s
-
-
-def _said(c: Candidate, request: RouteInput) -> str:
+def _said(c: Candidate, predicted: Mapping[str, float], request: RouteInput) -> str:
     """One candidate's prediction as the reason states it."""
-    text = f"{c.replica_id} predicted {c.predicted_s * 1000:,.0f} ms"
+    text = f"{c.replica_id} predicted {predicted[c.replica_id] * 1000:,.0f} ms"
     parts = [f"matched {c.matched}/{request.total_blocks}"] if c.matched else []
     if c.queued:
         parts.append(f"queued {c.queued:,} tok")
