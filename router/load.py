@@ -5,8 +5,8 @@ A replica reports ``running + waiting`` in every heartbeat (once a second); the 
 reads the record up to a poll interval later and then keeps reading the same record
 until the next one. Taken as the load itself, that number is up to ~1.5 s old: requests
 that finished since still count, and with requests that take about a second a replica
-looks busy long after it is not (the live benchmark spilled a quarter of its requests
-away from their cached prefixes that way). So the report is split instead:
+looks busy long after it is not, which sends requests away from their cached prefixes.
+So the report is split instead:
 
     others = reported − what this gateway had in flight there *at the report's time*
     load   = in flight now (exact, local) + others (while the report is fresh)

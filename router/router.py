@@ -1,9 +1,18 @@
 """The router facade the gateway and the simulator use: replicas in, one decision out.
 
-State: replica views (address, load, breaker), the prefix index, the conversation ring,
+State: replica views (address, load in requests and queued tokens, learned prefill cost,
+breaker, this gateway's unfinished requests), the prefix index, the conversation ring,
 and per replica the sequence number of the last block event applied. Decisions are
 synchronous and cheap (no I/O); router/sync.py feeds events, snapshots, loads and other
 gateways' hints in from Redis.
+
+A request's life as the gateway reports it (each call once; later calls do nothing):
+
+    decision = route(keys, conversation, prompt_tokens=n)      # who, and the prediction
+    request = request_started(decision.replica_id, decision.uncached_tokens,
+                              decision.queued_tokens)          # its tokens join the queue
+    first_byte(request)                                        # they leave it; TTFT learned
+    request_finished(request, ok=...)                          # answered / failed / cancelled
 """
 
 from __future__ import annotations
