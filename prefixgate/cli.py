@@ -15,12 +15,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("prefixgate.up", "start Redis, N replicas and a gateway locally"),
     "chat": ("prefixgate.chat", "send one prompt to a running gateway"),
     "bench": ("loadtest.cli", "workloads, replay client, simulator and reports"),
+    "bridge": ("bridge.cli", "make a vLLM or SGLang engine a replica from its KV events"),
+    "check-tokenizer": ("bridge.tokenizer_check", "compare our chat tokenizer with an engine's"),
 }
 
 
 def usage() -> str:
     lines = ["usage: prefixgate <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<15} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines += ["", "prefixgate <command> --help shows a command's options."]
     return "\n".join(lines)
 

@@ -1,0 +1,112 @@
+"""``prefixgate bridge``: make a vLLM or SGLang engine a prefixgate replica in Redis."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+from bridge.service import Bridge, BridgeConfig
+from prefixgate.envflags import add_env_flag
+from router.protocol import DEFAULT_BLOCK_SIZE
+
+DESCRIPTION = """\
+Subscribe to an engine's KV-cache events (vLLM or SGLang with --kv-events-config
+'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+"replay_endpoint": "tcp://*:5558"}') and publish the engine as a prefixgate replica:
+registry record with the engine's URL, heartbeats with its load (from /metrics), and
+its cached blocks as prefixgate keys, in the layout gateways already read.
+
+--kv-events follows the engine's own rule: a wildcard address (tcp://*:5557) binds, a
+concrete one connects. An engine that binds tcp://*:5557 is reached with
+tcp://ENGINE_HOST:5557; an engine whose endpoint is tcp://BRIDGE_HOST:5557 connects to
+a bridge started with --kv-events tcp://*:5557.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixgate bridge",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_env_flag(p, "engine-url", help="the engine's OpenAI server, e.g. http://10.0.0.5:8000")
+    add_env_flag(p, "kv-events", help="the engine's event PUB endpoint, e.g. tcp://10.0.0.5:5557")
+    add_env_flag(p, "replay", help="the engine's replay endpoint, e.g. tcp://10.0.0.5:5558")
+    add_env_flag(p, "topic", default="", help="the engine's event topic")
+    add_env_flag(p, "redis-url", default="redis://127.0.0.1:6379/0", help="Redis to publish to")
+    add_env_flag(p, "replica-id", help="id in Redis (default: host:port of the advertised URL)")
+    add_env_flag(p, "advertise-url", help="URL gateways call (default: --engine-url)")
+    add_env_flag(
+        p, "model", help="the engine's served model name (default: its first /v1/models entry)"
+    )
+    add_env_flag(
+        p, "block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="prefixgate key block size"
+    )
+    add_env_flag(
+        p,
+        "tokenizer",
+        help="the gateway's tokenizer (builtin name or model folder) for the start-up parity "
+        "check (default: --model)",
+    )
+    p.add_argument(
+        "--no-tokenizer-check", action="store_true", help="skip the start-up parity check"
+    )
+    add_env_flag(p, "heartbeat-s", type=float, default=1.0, help="heartbeat period")
+    add_env_flag(p, "log-level", default="info", help="debug, info, warning")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> BridgeConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.engine_url or not args.kv_events:
+        parser.error("--engine-url and --kv-events are required (or PREFIXGATE_ENGINE_URL, ...)")
+    if args.block_size <= 0:
+        parser.error("--block-size must be positive")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return BridgeConfig(
+        engine_url=args.engine_url,
+        kv_events=args.kv_events,
+        redis_url=args.redis_url,
+        replay=args.replay,
+        topic=args.topic,
+        model=args.model,
+        replica_id=args.replica_id,
+        advertise_url=args.advertise_url,
+        block_size=args.block_size,
+        tokenizer=args.tokenizer,
+        check_tokenizer=not args.no_tokenizer_check,
+        heartbeat_s=args.heartbeat_s,
+    )
+
+
+async def run(config: BridgeConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    bridge = Bridge(config)
+    try:
+        starting = asyncio.create_task(bridge.start())
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        else:
+            starting.result()
+            await stopping
+    finally:
+        await bridge.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    asyncio.run(run(config))
+    return 0

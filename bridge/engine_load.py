@@ -1,0 +1,58 @@
+"""An engine's load, for the heartbeat, from its Prometheus ``/metrics``.
+
+vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, KV usage as
+``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` in older releases, a fraction
+despite the name), and the pool size in the labels of ``vllm:cache_config_info``
+(``num_gpu_blocks``, ``block_size``). SGLang: ``sglang:num_running_reqs``,
+``sglang:num_queue_reqs``, ``sglang:token_usage`` and ``sglang:max_total_num_tokens``.
+Values of several label sets (data-parallel ranks, models) are summed; usages averaged.
+
+Blocks are reported in prefixgate's blocks (``block_size`` tokens), as the built-in
+replica does, so the router compares like with like. Neither engine exports the prompt
+tokens queued for prefill; that stays 0 (the gateway counts its own in-flight tokens).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.protocol import ReplicaLoad
+
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+def parse_load(text: str, block_size: int) -> ReplicaLoad:
+    """The load in a ``/metrics`` page; ValueError when it is not Prometheus text."""
+    sums: dict[str, float] = defaultdict(float)
+    usages: list[float] = []
+    capacity_tokens = 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name in RUNNING:
+                sums["running"] += sample.value
+            elif name in WAITING:
+                sums["waiting"] += sample.value
+            elif name in USAGE:
+                usages.append(sample.value)
+            elif name == "vllm:cache_config_info":
+                blocks = sample.labels.get("num_gpu_blocks", "")
+                size = sample.labels.get("block_size", "")
+                if blocks.isdigit() and size.isdigit():
+                    capacity_tokens += int(blocks) * int(size)
+            elif name == "sglang:max_total_num_tokens":
+                capacity_tokens += int(sample.value)
+    total = capacity_tokens // block_size
+    usage = min(1.0, max(0.0, sum(usages) / len(usages))) if usages else 0.0
+    used = round(usage * total)
+    return ReplicaLoad(
+        running=int(sums["running"]),
+        waiting=int(sums["waiting"]),
+        free_blocks=total - used,
+        used_blocks=used,
+        total_blocks=total,
+    )

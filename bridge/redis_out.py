@@ -1,0 +1,224 @@
+"""Writes an engine's cache, as prefixgate keys, into Redis in the built-in replica's layout.
+
+The same three things ``replica/publisher.py`` writes (layout and codecs:
+``router.protocol``), so gateways need no engine-specific code:
+
+* the registry record, refreshed each heartbeat with an expiry, its URL the engine's;
+* block events in the replica's capped stream, ``seq`` growing by one per event;
+* a snapshot whose ``seq`` is the last event folded into it.
+
+Everything runs on one event loop: the bridge calls ``stored`` / ``removed`` /
+``cleared`` and the snapshot source from the same loop, so a snapshot and its ``seq``
+always agree without a lock.
+
+``seq`` starts at the current time in microseconds, not at 1: a restarted bridge's
+events then come after its previous life's in every reader's eyes (a reader still at
+the old ``seq`` sees a gap and resyncs from the fresh snapshot), instead of being taken
+for events it already folded in. The first snapshot of a life also drops the previous
+life's stream. Redis is an accelerator: while it is down events are dropped (readers see
+the gap) and a fresh snapshot is written once it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from router.protocol import (
+    REPLICAS_SET,
+    BlockEvent,
+    ReplicaInfo,
+    ReplicaLoad,
+    SnapshotBlock,
+    encode_snapshot,
+    events_stream_key,
+    replica_info_key,
+    snapshot_key,
+)
+
+log = logging.getLogger("prefixgate.bridge.redis")
+
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class Pending(NamedTuple):
+    event: BlockEvent
+    engine_ts: float | None  # when the engine emitted the batch behind it (lag measurement)
+
+
+@dataclass(slots=True)
+class WriterConfig:
+    redis_url: str
+    replica_id: str
+    url: str  # what gateways call: the engine's OpenAI server
+    model: str
+    block_size: int
+    info_ttl_s: float = 5.0
+    stream_maxlen: int = 100_000
+    batch_size: int = 512
+    redis_timeout_s: float = 1.0
+
+
+@dataclass(slots=True)
+class WriterStats:
+    events_published: int = 0
+    events_dropped: int = 0
+    snapshots_written: int = 0
+    heartbeats: int = 0
+    outages: int = 0
+
+
+class RedisWriter:
+    def __init__(self, config: WriterConfig, snapshot: Callable[[], list[SnapshotBlock]]) -> None:
+        self.config = config
+        self._snapshot = snapshot  # the translator's mirror, parents before children
+        self.seq = int(time.time() * 1_000_000)
+        self.seq_at_snapshot = self.seq
+        self.pending: deque[Pending] = deque()
+        self.need_snapshot = True
+        self._first_write = True
+        self.in_outage = False
+        self.stats = WriterStats()
+        self._redis = aioredis.Redis.from_url(
+            config.redis_url,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            # One immediate retry reconnects a pooled connection gone stale across a Redis
+            # restart; beyond that the bridge backs off itself.
+            retry=Retry(NoBackoff(), 1),
+        )
+
+    # ------------------------------------------------------------------ events (same loop)
+
+    def stored(
+        self, parent: bytes | None, keys: tuple[bytes, ...], engine_ts: float | None = None
+    ) -> None:
+        if keys:
+            self._enqueue(BlockEvent(self.seq + 1, "stored", keys, parent), engine_ts)
+
+    def removed(self, keys: tuple[bytes, ...], engine_ts: float | None = None) -> None:
+        if keys:
+            self._enqueue(BlockEvent(self.seq + 1, "removed", keys), engine_ts)
+
+    def cleared(self, engine_ts: float | None = None) -> None:
+        self._enqueue(BlockEvent(self.seq + 1, "cleared"), engine_ts)
+
+    def _enqueue(self, event: BlockEvent, engine_ts: float | None) -> None:
+        self.seq = event.seq
+        self.pending.append(Pending(event, engine_ts))
+
+    @property
+    def has_work(self) -> bool:
+        return self.need_snapshot or bool(self.pending)
+
+    @property
+    def behind(self) -> int:
+        """Events since the last snapshot."""
+        return self.seq - self.seq_at_snapshot
+
+    # ------------------------------------------------------------------ writes
+
+    async def flush(self) -> None:
+        """Write the snapshot if one is due, then every pending event; raises a Redis
+        error (after marking a snapshot due) when Redis fails.
+
+        Events the snapshot already holds are still written: a reader that saw no gap
+        applies them directly (it would not look at the snapshot), and one that resynced
+        skips them by their ``seq``."""
+        try:
+            if self.need_snapshot:
+                await self._write_snapshot()
+            while self.pending:
+                await self._write_events()
+        except REDIS_ERRORS as exc:
+            self._mark_down(exc)
+            raise
+        self._mark_up()
+
+    async def _write_snapshot(self) -> None:
+        seq, blocks = self.seq, self._snapshot()  # taken together: no await in between
+        pipe = self._redis.pipeline(transaction=True)
+        if self._first_write:
+            pipe.delete(events_stream_key(self.config.replica_id))
+        pipe.set(snapshot_key(self.config.replica_id), encode_snapshot(seq, blocks))
+        await pipe.execute()
+        self._first_write = False
+        self.need_snapshot = False
+        self.seq_at_snapshot = seq
+        self.stats.snapshots_written += 1
+
+    async def _write_events(self) -> None:
+        n = min(len(self.pending), self.config.batch_size)
+        batch = [self.pending.popleft() for _ in range(n)]
+        stream = events_stream_key(self.config.replica_id)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for event, engine_ts in batch:
+                fields = event.encode()
+                if engine_ts is not None:  # readers ignore it; benchmarks measure lag with it
+                    fields["engine_ts"] = repr(engine_ts)
+                pipe.xadd(
+                    stream,
+                    fields,  # type: ignore[arg-type]
+                    maxlen=self.config.stream_maxlen,
+                    approximate=True,
+                )
+            await pipe.execute()
+        except REDIS_ERRORS:
+            self.stats.events_dropped += len(batch)  # readers see the gap; the snapshot repairs
+            raise
+        self.stats.events_published += len(batch)
+
+    async def heartbeat(self, load: ReplicaLoad) -> None:
+        c = self.config
+        info = ReplicaInfo(c.replica_id, c.url, c.model, c.block_size, load, time.time())
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.sadd(REPLICAS_SET, c.replica_id)
+            pipe.set(replica_info_key(c.replica_id), info.encode(), px=int(c.info_ttl_s * 1000))
+            pipe.exists(snapshot_key(c.replica_id))
+            *_, has_snapshot = await pipe.execute()
+        except REDIS_ERRORS as exc:
+            self._mark_down(exc)
+            raise
+        self._mark_up()
+        self.stats.heartbeats += 1
+        if not has_snapshot and not self._first_write:
+            # Redis restarted empty (redis-py reconnected without an error to notice):
+            # late readers need a snapshot to start from.
+            self.need_snapshot = True
+
+    async def deregister(self) -> None:
+        """Best effort: the record's expiry covers a failure."""
+        with contextlib.suppress(*REDIS_ERRORS):
+            await asyncio.wait_for(
+                self._redis.delete(replica_info_key(self.config.replica_id)),
+                self.config.redis_timeout_s,
+            )
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            await asyncio.wait_for(self._redis.aclose(), self.config.redis_timeout_s)
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self.need_snapshot = True  # whatever was lost, a fresh snapshot repairs
+        if not self.in_outage:
+            self.in_outage = True
+            self.stats.outages += 1
+            log.warning("redis at %s unreachable (%s); retrying", self.config.redis_url, exc)
+
+    def _mark_up(self) -> None:
+        if self.in_outage:
+            self.in_outage = False
+            log.info("redis at %s is back", self.config.redis_url)

@@ -1,0 +1,158 @@
+"""``prefixgate check-tokenizer``: do the gateway and the engine see the same token ids?
+
+Precise routing rests on it: the gateway computes a request's block keys over the ids
+its own chat tokenizer produces, and the bridge over the ids the engine hashed. Any
+difference (another template version, a tokenizer revision, a BOS added twice) makes
+every key differ, and routing silently falls back to optimistic guesses.
+
+Each case is a chat rendered by the gateway's tokenizer (the very object the gateway
+uses: ``SegmentCache`` over ``ChatTokenizer``) and by the engine's ``POST /tokenize``
+(vLLM, SGLang: ``{"model", "messages", "add_generation_prompt": true}``), compared id for
+id. Prints a pass/fail line per case and exits 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any, NamedTuple
+
+import httpx
+
+from prefixgate.envflags import add_env_flag
+from prefixgate.segments import SegmentCache
+from prefixgate.tokenizer import ChatTokenizer
+
+Chat = list[dict[str, str]]
+
+LONG_TEXT = " ".join(
+    f"Paragraph {i}: the quick brown fox jumps over the lazy dog, then checks the logs."
+    for i in range(120)
+)
+
+CASES: dict[str, Chat] = {
+    "single user turn": [{"role": "user", "content": "Hello! What is a KV cache?"}],
+    "system prompt": [
+        {"role": "system", "content": "You are a terse assistant. Answer in one line."},
+        {"role": "user", "content": "Name three prime numbers."},
+    ],
+    "multi-turn": [
+        {"role": "system", "content": "You help with Python."},
+        {"role": "user", "content": "How do I reverse a list?"},
+        {"role": "assistant", "content": "Use `xs[::-1]` or `xs.reverse()`."},
+        {"role": "user", "content": "And a string?\nShow both ways."},
+    ],
+    "unicode": [
+        {"role": "user", "content": "Traduis: «déjà vu» — 日本語, Ελληνικά, emoji 🚀🧪, ZWJ 👩‍💻."}
+    ],
+    "whitespace": [{"role": "user", "content": "  leading\t\ttabs\n\n\ntrailing   \n"}],
+    "long": [
+        {"role": "system", "content": "Summarise documents."},
+        {"role": "user", "content": LONG_TEXT},
+    ],
+}
+
+
+class CaseResult(NamedTuple):
+    name: str
+    ok: bool
+    gateway_tokens: int
+    engine_tokens: int
+    detail: str  # where they first differ, or the engine's error
+
+
+def load_tokenizer(name_or_dir: str) -> SegmentCache:
+    return SegmentCache(ChatTokenizer.for_model(name_or_dir))
+
+
+async def engine_model_name(client: httpx.AsyncClient, engine_url: str) -> str:
+    """The first model the engine serves (``/v1/models``)."""
+    reply = await client.get(f"{engine_url}/v1/models")
+    reply.raise_for_status()
+    return str(reply.json()["data"][0]["id"])
+
+
+async def engine_tokens(
+    client: httpx.AsyncClient, engine_url: str, model: str, chat: Chat
+) -> list[int]:
+    body: dict[str, Any] = {"model": model, "messages": chat, "add_generation_prompt": True}
+    reply = await client.post(f"{engine_url}/tokenize", json=body)
+    reply.raise_for_status()
+    tokens = reply.json()["tokens"]
+    return [int(t) for t in tokens]
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> str:
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return f"first difference at token {i}: gateway {a}, engine {b}"
+    return f"same first {min(len(ours), len(theirs))} ids, then lengths differ"
+
+
+async def check(
+    engine_url: str,
+    tokenizer: SegmentCache,
+    model: str | None = None,
+    cases: dict[str, Chat] = CASES,
+    timeout_s: float = 30.0,
+) -> list[CaseResult]:
+    """One result per case; an engine that cannot tokenize a case fails that case."""
+    engine_url = engine_url.rstrip("/")
+    results = []
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        served = model or await engine_model_name(client, engine_url)
+        for name, chat in cases.items():
+            ours = tokenizer.encode_chat(chat, add_generation_prompt=True)
+            try:
+                theirs = await engine_tokens(client, engine_url, served, chat)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                results.append(CaseResult(name, False, len(ours), 0, f"engine: {exc!r}"))
+                continue
+            ok = ours == theirs
+            detail = "" if ok else first_difference(ours, theirs)
+            results.append(CaseResult(name, ok, len(ours), len(theirs), detail))
+    return results
+
+
+def report(results: list[CaseResult]) -> str:
+    lines = []
+    for r in results:
+        verdict = "PASS" if r.ok else "FAIL"
+        counts = f"gateway {r.gateway_tokens:>5} ids, engine {r.engine_tokens:>5}"
+        line = f"{verdict}  {r.name:<18} {counts}"
+        lines.append(line + (f"  ({r.detail})" if r.detail else ""))
+    failed = sum(not r.ok for r in results)
+    lines.append(
+        f"{len(results) - failed}/{len(results)} cases identical"
+        + ("" if not failed else ": routing keys will not match the engine's (see README)")
+    )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefixgate check-tokenizer",
+        description="Compare the gateway's chat tokenizer with an engine's /tokenize.",
+    )
+    add_env_flag(p, "engine-url", help="the engine's OpenAI server, e.g. http://127.0.0.1:8001")
+    add_env_flag(p, "model", help="the gateway's tokenizer: a builtin model name or a model folder")
+    add_env_flag(
+        p, "served-model", help="model name to send the engine (default: its first /v1/models)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.engine_url or not args.model:
+        parser.error("--engine-url and --model are required")
+    try:
+        tokenizer = load_tokenizer(args.model)
+        results = asyncio.run(check(args.engine_url, tokenizer, args.served_model))
+    except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
+        print(f"prefixgate check-tokenizer: {exc}", file=sys.stderr)
+        return 2
+    print(report(results))
+    return 0 if all(r.ok for r in results) else 1
