@@ -182,3 +182,53 @@ def test_dockerfile_copies_every_package_and_runs_unprivileged() -> None:
     assert 'ENTRYPOINT ["prefixgate"]' in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not set(packages) & set(ignored)
+
+
+# --------------------------------------------------------------------------- vLLM variants
+
+COMPOSE_VLLM = ROOT / "deploy" / "compose.vllm.yaml"
+K8S_VLLM = ROOT / "deploy" / "k8s-vllm"
+
+
+def test_vllm_compose_validates_and_pairs_each_engine_with_a_bridge() -> None:
+    data = yaml.safe_load(interpolate_defaults(COMPOSE_VLLM.read_text()))
+    services = validate_compose(data).service_names()
+    engines = sorted(s for s in services if s.startswith("engine-"))
+    assert engines == ["engine-0", "engine-1"]
+    config = data["services"]
+    gateway_urls = set(config["gateway"]["environment"]["PREFIXGATE_REPLICA"].split(","))
+    for engine in engines:
+        command = " ".join(config[engine]["command"])
+        assert "--enable-prefix-caching" in command and '"endpoint": "tcp://*:5557"' in command
+        bridge = config[engine.replace("engine", "bridge")]
+        env = bridge["environment"]
+        assert bridge["command"] == ["bridge"]
+        assert env["PREFIXGATE_KV_EVENTS"] == f"tcp://{engine}:5557"
+        assert env["PREFIXGATE_REPLAY"] == f"tcp://{engine}:5558"
+        assert env["PREFIXGATE_ENGINE_URL"] in gateway_urls  # the bridge registers that URL
+        assert env["PREFIXGATE_MODEL"] == config["gateway"]["environment"]["PREFIXGATE_MODEL"]
+
+
+def test_vllm_manifests_validate_and_run_a_bridge_beside_each_engine() -> None:
+    docs = [
+        (path, doc)
+        for path in sorted(K8S_VLLM.rglob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+    for path, doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{path.relative_to(ROOT)} {doc['kind']}: {exc}")
+    (statefulset,) = [doc for _, doc in docs if doc["kind"] == "StatefulSet"]
+    containers = {c["name"]: c for c in statefulset["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"vllm", "bridge"}
+    assert containers["vllm"]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert '"endpoint": "tcp://*:5557"' in " ".join(containers["vllm"]["args"])
+    env = {e["name"]: e.get("value") for e in containers["bridge"]["env"]}
+    assert env["PREFIXGATE_KV_EVENTS"] == "tcp://127.0.0.1:5557"
+    service = statefulset["spec"]["serviceName"]
+    assert f".{service}." in env["PREFIXGATE_ADVERTISE_URL"]
+    configmaps = {c["metadata"]["name"] for c in by_kind("ConfigMap")}
+    assert containers["bridge"]["envFrom"][0]["configMapRef"]["name"] in configmaps
