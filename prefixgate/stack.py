@@ -50,7 +50,14 @@ class Stack:
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = signal.Signals(signum).name
 
-    def start(self, name: str, cmd: list[str], port: int, stage: int = 0) -> Child:
+    def start(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        stage: int = 0,
+        env: dict[str, str] | None = None,  # this child's own environment (default: env)
+    ) -> Child:
         log_path = self.run_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -58,7 +65,7 @@ class Stack:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env=self.env if env is None else env,
                 start_new_session=True,  # Ctrl-C reaches `up` only; `up` stops the children
             )
         child = Child(name, proc, log_path, port, stage)
@@ -105,6 +112,9 @@ class Stack:
                 return False
             if time.monotonic() >= next_progress:
                 print(f"  waiting for {', '.join(pending)} ({elapsed:.0f} s)", flush=True)
+                for child in self.children:  # engines take minutes: say what they are doing
+                    if child.name in pending:
+                        print(f"    {child.name}: {log_tail(child.log_path, 1)[:160]}", flush=True)
                 next_progress += PROGRESS_S
             time.sleep(POLL_S)
 

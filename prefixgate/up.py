@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from prefixgate.engines import ENGINES, EnginePorts, bridge_command, engine_env, vllm_command
 from prefixgate.envflags import add_env_flag
 from prefixgate.models import DEFAULT_MODEL, SIM_MODEL, model_dir
 from prefixgate.procs import ChildDied, start_redis
@@ -119,6 +120,21 @@ logs in {args.run_dir}/ · Ctrl-C stops everything
 # --------------------------------------------------------------------------- running
 
 
+def start_engines(
+    stack: Stack, args: argparse.Namespace, ports: list[int], host: str, redis_url: str
+) -> None:
+    """``--engine vllm``: replica i is a vLLM server plus a bridge (prefixgate/engines.py);
+    its name stays replica-i, so readiness, logs and shutdown are those of any replica."""
+    taken = {args.port, *ports}
+    for i, port in enumerate(ports):
+        events, replay = pick_ports(2, taken=taken)
+        taken |= {events, replay}
+        engine = EnginePorts(port, events, replay)
+        env = engine_env(args, i, stack.env)
+        stack.start(f"replica-{i}", vllm_command(args, engine), port, stage=1, env=env)
+        stack.start(f"bridge-{i}", bridge_command(args, engine, host, redis_url), 0, stage=2)
+
+
 def run(stack: Stack, args: argparse.Namespace) -> int:
     host = connect_host(args.host)
     fixed = [args.port]
@@ -142,12 +158,14 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
         return 0
 
     replica_urls = [f"http://{host}:{p}" for p in replica_ports]
-    for i, port in enumerate(replica_ports):
+    if args.engine != "prefixgate":
+        start_engines(stack, args, replica_ports, host, redis_url)
+    for i, port in enumerate(replica_ports if args.engine == "prefixgate" else ()):
         stack.start(f"replica-{i}", replica_command(args, i, port, redis_url), port, stage=1)
     # Started alongside the replicas, so that its start-up overlaps their model loading.
     stack.start("gateway", gateway_command(args, replica_urls, redis_url), args.port, stage=2)
     print(f"  started {args.replicas} replica(s) of {args.model} and the gateway", flush=True)
-    if model_needs_conversion(args.model):
+    if model_needs_conversion(args.model) and args.engine == "prefixgate":
         print(f"  converting {args.model} to safetensors (first start only)…", flush=True)
 
     gateway_url = f"http://{host}:{args.port}"
@@ -172,6 +190,10 @@ Start a local prefixgate cluster: an embedded Redis (no persistence; skipped wit
 --redis-url), N replicas and one gateway, each a child process with its own log in the
 run directory. Waits until every replica's /health answers and the gateway sees every
 replica healthy (/ready?min_replicas=N), then prints the base_url and how to call it.
+
+With --engine vllm each replica is a vLLM server (--engine-python names the Python that
+has vllm installed; --engine-arg passes flags through) with KV-cache events on, and a
+`prefixgate bridge` beside it (bridge-<i>.log) that publishes its cache to Redis.
 
 Ctrl-C or SIGTERM stops every child: the gateway, then the replicas, then Redis (SIGTERM,
 then SIGKILL after --stop-grace-s). If a child dies, its log tail is printed, the rest
@@ -206,6 +228,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"with --model {SIM_MODEL}: the replicas' GPU cost profile or profile .json "
         "(the replica's default when unset; cost overrides: PREFIXGATE_SIM_* variables)",
+    )
+    add(
+        "--engine",
+        choices=ENGINES,
+        default="prefixgate",
+        help="the replicas' engine: prefixgate (default) or vllm (its OpenAI server with KV "
+        "events, plus a `prefixgate bridge` per replica; engines take minutes to start)",
+    )
+    add(
+        "--engine-arg",
+        metavar="ARGS",
+        action="append",
+        help="with --engine vllm: extra engine flags, e.g. '--max-model-len 4096' (repeatable)",
+    )
+    add_env_flag(
+        p,
+        "engine-python",
+        metavar="PATH",
+        help="with --engine vllm: the Python that has vllm installed (default: this one)",
     )
     add(
         "--device",

