@@ -323,6 +323,7 @@ class Bridge:
         assert source is not None
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, source)
+            await self._wait_for_model()  # the engine may still be starting (minutes)
             results = await check(self.config.engine_url, tokenizer, self.config.model)
         except Exception as exc:  # a failed check must not stop the bridge
             log.warning("tokenizer parity with the engine not checked (%s)", exc)

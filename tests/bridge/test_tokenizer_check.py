@@ -76,3 +76,34 @@ def test_load_from_vllm_and_sglang_metrics() -> None:
         25,
     )
     assert parse_load("", 16).total_blocks == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_bridge_checks_parity_at_start_and_logs_a_mismatch_loudly(
+    anyio_backend: str,
+    engine: FakeEngineHTTP,
+    tokenizer: ChatTokenizer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from bridge.service import Bridge, BridgeConfig
+    from prefixgate.procs import free_port
+    from tests.conftest import wait_until_async
+
+    engine.tokenize = lambda messages: [1, *tokenizer.encode_chat(messages)]
+    config = BridgeConfig(
+        engine.url,
+        f"tcp://127.0.0.1:{free_port()}",
+        "redis://127.0.0.1:1/0",  # unreachable: the check does not depend on Redis
+        model="served-name",
+        tokenizer="tiny-random",
+        heartbeat_s=0.1,
+    )
+    bridge = Bridge(config)
+    await bridge.start()
+    try:
+        await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
+        assert bridge.stats.tokenizer_ok is False
+        assert "TOKENIZER MISMATCH" in caplog.text and "FAIL  system prompt" in caplog.text
+    finally:
+        await bridge.stop()
