@@ -51,4 +51,4 @@ class Row:
         verdict = "pass" if not self.failures else "FAIL: " + "; ".join(self.failures)
         cells = [self.scenario, self.sent, self.succeeded, self.failed, self.hung]
         cells += [self.client_saw or "—", "; ".join(self.checks), verdict]
-        return "| " + " | ".join(str(c) for c in cells) + " |"
+        return "| " + " | ".join(" ".join(str(c).replace("|", "/").split()) for c in cells) + " |"

@@ -12,6 +12,7 @@ import pytest
 
 from loadtest.chaos_load import Outcome, RequestSpec, Tally, _read_body, _read_stream
 from loadtest.chaos_requests import honest, hostile_catalogue, mixed
+from loadtest.chaos_row import Row
 
 USAGE = {
     "prompt_tokens": 40,
@@ -122,3 +123,14 @@ def test_request_mixes_are_seeded_and_keep_their_shares() -> None:
     turn = honest("m", stream_share=1.0)(random.Random(1))
     body = json.loads(turn.body)
     assert turn.stream and body["stream"] and body["stream_options"] == {"include_usage": True}
+
+
+def test_a_row_is_one_markdown_line_and_fails_on_any_broken_check() -> None:
+    outcomes = [Outcome("failed", "stream: cut\n\ndata: x | y", 1.0, 0.1, True, None)]
+    row = Row.of("kill", Tally(outcomes, started=0.0))
+    row.check(True, "hung: 0")
+    row.check(False, "streams cut: 1, 0 ended error+[DONE]")
+    line = row.markdown()
+    assert "\n" not in line and line.count("|") == 9
+    assert line.endswith("| FAIL: streams cut: 1, 0 ended error+[DONE] |")
+    assert row.seen == {"stream: cut\n\ndata: x | y": 1}

@@ -272,8 +272,9 @@ def check(client: httpx.Client, server: str, base: str, case: Case) -> str | Non
             ok = False
         return None if ok else f"{resp.status_code} not an OpenAI error: {resp.text[:200]}"
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        if '"error"' in resp.text:
-            return f"error event in a 200 stream: {resp.text[-300:]}"
+        errors = [line for line in resp.text.splitlines() if line.startswith('data: {"error"')]
+        if errors:
+            return f"error event in a 200 stream: {errors[0][6:300]}"
         if not resp.text.rstrip().endswith("data: [DONE]"):
             return f"stream without [DONE]: {resp.text[-200:]}"
     return None
