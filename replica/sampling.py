@@ -84,6 +84,9 @@ def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_scores, order = torch.sort(scores, descending=True)
     probs = torch.softmax(sorted_scores, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= top_p  # the most likely token always has 0 before it
+    drop_sorted = mass_before >= top_p
+    # The most likely token always stays, even when top_p rounds to 0 in float32
+    # (e.g. 5e-324), where ``0 >= 0`` would otherwise drop every token.
+    drop_sorted[0] = False
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))

@@ -34,7 +34,9 @@ def test_seeded_sampling_is_reproducible_and_choices_differ() -> None:
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     logits = _logits()
     best = int(logits.argmax())
-    for params in (SamplingParams(top_k=1, seed=0), SamplingParams(top_p=1e-6, seed=0)):
+    # 5e-324 rounds to 0 in float32: the most likely token must still be kept.
+    tiny = (SamplingParams(top_p=1e-6, seed=0), SamplingParams(top_p=5e-324, seed=0))
+    for params in (SamplingParams(top_k=1, seed=0), *tiny):
         gen = make_generator(params, 0)
         assert {sample_token(logits, params, gen) for _ in range(30)} == {best}
 
