@@ -15,7 +15,10 @@ class RouterConfig:
     prefill_s_per_token: float = 0.00015
     """Prefill seconds per uncached token assumed for a replica the router has not timed
     yet (then learned per replica from its first bytes, router/cost.py)."""
-    decode_tokens_per_request: int = 64
+    recompute_weight: float = 1.5
+    """Uncached tokens count this many times in the choice (the queue ahead once): a
+    recomputed prefix costs the cluster compute and cache space, a wait does not."""
+    decode_tokens_per_request: int = 128
     """Decode pressure: each request in flight on a replica adds this many prefill
     tokens' time to its predicted time to first token."""
     queue_cap: float = 4.0
@@ -61,6 +64,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.prefill_s_per_token > 0:
             raise ValueError("prefill_s_per_token must be positive")
+        if self.recompute_weight < 1:
+            raise ValueError("recompute_weight must be at least 1")
         if self.decode_tokens_per_request < 0:
             raise ValueError("decode_tokens_per_request must be non-negative")
         if self.queue_cap < 1:

@@ -169,8 +169,12 @@ class CacheAware(Policy):
       (router/cost.py; a replica not timed yet takes the cluster's learned figure,
       ``prefill_s_per_token`` before any).
 
-    The minimum wins. A long cached prefix wins until its replica's queue costs more
-    than recomputing the prefix elsewhere; then the next request goes elsewhere, and
+    The minimum of ``predicted + (recompute_weight − 1) × uncached(r) × cost(r)`` wins:
+    recomputed tokens are priced ``recompute_weight`` times (default 1.5) the tokens
+    waited behind, because recomputing spends the cluster's compute and cache space
+    while waiting spends only this request's time (1: the plain minimum predicted TTFT).
+    A long cached prefix wins until its replica's queue costs more than recomputing the
+    prefix elsewhere; then the next request goes elsewhere, and
     that replica caches the prefix too (the router's optimistic insert makes it a match
     there at once): hot prefixes are replicated as load needs, not hoarded, and no count
     bound forces requests apart. A continuing conversation follows the same rule.
@@ -199,19 +203,22 @@ class CacheAware(Policy):
         candidates = request.candidates
         open_ = self.under_cap(candidates)
         predicted: dict[str, float] = {}
+        score: dict[str, float] = {}  # the prediction plus the extra price of recomputing
+        weight = self.config.recompute_weight - 1.0
         best = cheapest = math.inf
         longest = candidates[0]
         for c in candidates:
             predicted[c.replica_id] = (c.queued + c.uncached + c.load * c.decode_tokens) * c.cost
+            score[c.replica_id] = predicted[c.replica_id] + weight * c.uncached * c.cost
             if c.matched > longest.matched:
                 longest = c
         for c in open_:
-            if predicted[c.replica_id] < best:
-                best = predicted[c.replica_id]
+            if score[c.replica_id] < best:
+                best = score[c.replica_id]
             if c.cost < cheapest:
                 cheapest = c.cost
         limit = best + self.TIE_TOKENS * cheapest
-        tied = [c for c in open_ if predicted[c.replica_id] <= limit]
+        tied = [c for c in open_ if score[c.replica_id] <= limit]
         chosen = tied[0] if len(tied) == 1 else self.tie_break(tied, request)
         other: Candidate | None = longest
         if longest.matched > chosen.matched:
@@ -220,7 +227,7 @@ class CacheAware(Policy):
             kind = "prefix_match" if chosen.matched else "no_match"
             other = None
             for c in candidates:
-                if c is not chosen and (other is None or _sooner(predicted, c, other)):
+                if c is not chosen and (other is None or _sooner(score, c, other)):
                     other = c
         reason = f"{kind} cost: {_said(chosen, predicted, request)}"
         if other is not None:

@@ -117,8 +117,9 @@ def test_a_continuing_conversation_stays_with_its_history_unless_moving_is_cheap
     hold(router, "r1", history)
     decision = router.route(history + prompt(9, 1, question=3)[-1:], "chat-1")
     assert decision.replica_id == "r1"
-    # The same rule, no exemption: a queue longer than its history moves it.
-    router.request_started("r1", uncached_tokens=600)
+    # The same rule, no exemption: a queue that costs more than recomputing its history
+    # (496 tokens at 1.5x: 744 against 900 + 16 + 8) moves it.
+    router.request_started("r1", uncached_tokens=900)
     moved = router.route(history + prompt(9, 1, question=4)[-1:], "chat-1")
     assert moved.replica_id == "r0" and moved.reason.startswith("spill")
 

@@ -59,37 +59,42 @@ def test_cache_aware_predicts_and_the_longest_cached_prefix_wins_on_idle_replica
     )
 
 
-@pytest.mark.parametrize("queue", [0, 400, 500 - TIE, 500 + TIE + 1, 2000])
+@pytest.mark.parametrize("weight", [1.0, 1.5])
+@pytest.mark.parametrize("queue", [0, 400, 500, 700, 740, 760, 800, 2000])
 def test_a_queued_replica_loses_to_an_idle_one_exactly_when_recomputing_is_cheaper(
-    queue: int,
+    queue: int, weight: float
 ) -> None:
     # r0 holds the document (10 uncached tokens) behind ``queue`` tokens; r1..r3 are
-    # idle and would compute all 510. Same cost per token everywhere.
+    # idle and would compute all 510. Same cost per token everywhere. Recomputed tokens
+    # are priced ``weight`` times (1: the plain minimum predicted time to first token).
     req = request([1, 0, 0, 0], [8, 0, 0, 0], queued=[queue, 0, 0, 0], uncached=[10, 510, 510, 510])
-    pol = policy("cache_aware")
+    pol = policy("cache_aware", recompute_weight=weight)
     choice = pol.choose(req)
-    if abs(queue + 10 - 510) <= TIE:  # within a block's prefill: a tie, the ring decides
+    stay, move = queue + weight * 10, weight * 510
+    if abs(stay - move) <= TIE:  # within a block's prefill: a tie, the ring decides
         assert choice.replica_id == pol.ring.rank(b"l".hex() * 16, set(IDS))
-    if queue + 10 < 510 - TIE:
+    if stay < move - TIE:
         assert choice.replica_id == "r0" and choice.reason.startswith("prefix_match")
-    if queue + 10 > 510 + TIE:  # recomputing elsewhere is cheaper: the hot prefix spreads
+    if stay > move + TIE:  # recomputing elsewhere is cheaper: the hot prefix spreads
         assert choice.replica_id != "r0"
         assert choice.reason.startswith("spill cost: ")
+        # The reason states the plain predictions (queue + own tokens, in ms here).
         assert f"r0 predicted {queue + 10:,} ms (matched 8/8, queued {queue:,} tok)" in (
             choice.reason
         )
+        assert f"{choice.replica_id} predicted 510 ms" in choice.reason
 
 
 def test_a_slower_replica_gets_work_only_when_it_is_predicted_sooner() -> None:
     # r0 is 3x slower per token: with the prefix on both r0 and r1, r1 wins ...
     slow = [3 * COST, COST, COST, COST]
     req = request([0, 0, 0, 0], [8, 8, 0, 0], uncached=[100, 100, 128, 128], costs=slow)
-    assert policy("cache_aware").choose(req).replica_id == "r1"
+    assert policy("cache_aware", recompute_weight=1.0).choose(req).replica_id == "r1"
     # ... until r1's queue costs more than r0's slower compute (300 ms < 100 + 250).
     req = request(
         [0, 1, 0, 0], [8, 8, 0, 0], queued=[0, 250, 0, 0], uncached=[100, 100, 400, 400], costs=slow
     )
-    assert policy("cache_aware").choose(req).replica_id == "r0"
+    assert policy("cache_aware", recompute_weight=1.0).choose(req).replica_id == "r0"
 
 
 def test_ties_follow_the_conversation_ring_then_the_prompts_last_block() -> None:
