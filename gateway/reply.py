@@ -60,10 +60,12 @@ async def send_error_passthrough(send: Send, status: int, raw: bytes, ex: Exchan
 
 
 def error_event(message: str) -> dict[str, Any]:
-    """The SSE event that ends a stream the replica broke off (the answer is committed:
-    the status went out with the first byte)."""
+    """The SSE events that end a stream the replica broke off: an error event, then
+    ``[DONE]`` so every SSE client sees the stream end (the answer is committed: the
+    status went out with the first byte; OpenAI's SDKs raise on the error event)."""
     payload = error_body(
         message + "; the answer is incomplete.", type="server_error", code="upstream_error"
     )
     data = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    data += b"data: [DONE]\n\n"
     return {"type": "http.response.body", "body": data, "more_body": True}

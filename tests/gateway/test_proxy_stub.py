@@ -210,8 +210,8 @@ def test_failure_mid_stream_ends_with_an_error_event(stack: Stack) -> None:
     ) as r:
         events = [e for e in r.read().decode().split("\n\n") if e.strip()]
     assert r.status_code == 200
-    assert len(events) == 3  # two chunks, then the error, and no [DONE]
-    assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "upstream_error"
+    assert len(events) == 4 and events[-1] == "data: [DONE]"  # two chunks, the error, [DONE]
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "upstream_error"
     stream = client(stack).completions.create(model="broken-llm", prompt="x", stream=True)
     with pytest.raises(openai.APIError):
         list(stream)
