@@ -5,11 +5,19 @@ breaker. Every call into that accounting is made here, so that every proxy path 
 whole answer, error pass-through, failure, retry, cancellation) starts and finishes a
 request the same way, and a new path cannot forget to finish or finish twice::
 
-    with Attempt(router, replica_id) as attempt:   # started
+    decision = router.route(keys, conversation, prompt_tokens=n)
+    with Attempt(router, decision) as attempt:      # started: its tokens join the queue
         response = await upstream.post(...)
-        attempt.first_byte()                        # the replica began to answer
+        attempt.first_byte()                        # the answer's head arrived
+        ...
+        attempt.prefill_done()                      # the first streamed output arrived
         ...                                         # attempt.fail() if it failed
     # finished, exactly once, however the block was left
+
+The router learns each replica's prefill cost from the time to ``prefill_done``, so it is
+called only where that time is the prefill's: at a successful stream's first body bytes
+(a stream's head may come before any token). A whole answer's head comes after the whole
+generation and an error's proves nothing: their tokens leave the queue at the finish.
 
 The outcome given to the breaker is a success unless ``fail()`` was called or an
 ``UpstreamError`` left the block: a cancellation (the client left) or a fault of the
@@ -28,12 +36,15 @@ from types import TracebackType
 
 from gateway.http1 import UpstreamError
 from router.health import AttemptOutcome, attempt_verdicts
-from router.router import Router
+from router.load import InFlight
+from router.router import Decision, Router
 
 
 class Attempt:
     __slots__ = (
+        "_request",
         "_router",
+        "decision",
         "failed",
         "finished",
         "first_byte_at",
@@ -43,9 +54,11 @@ class Attempt:
         "started",
     )
 
-    def __init__(self, router: Router, replica_id: str) -> None:
+    def __init__(self, router: Router, decision: Decision) -> None:
         self._router = router
-        self.replica_id = replica_id
+        self.decision = decision
+        self.replica_id = decision.replica_id
+        self._request: InFlight | None = None  # the router's handle, from the start
         self.started = False
         self.finished = False
         self.failed = False
@@ -57,7 +70,10 @@ class Attempt:
         if self.started:
             raise RuntimeError(f"attempt on {self.replica_id} entered twice")
         self.started = True
-        self._router.request_started(self.replica_id)
+        d = self.decision
+        self._request = self._router.request_started(
+            d.replica_id, d.uncached_tokens, d.queued_tokens
+        )
         return self
 
     def __exit__(
@@ -74,6 +90,12 @@ class Attempt:
         """The replica's answer began (its response head arrived); noted once."""
         if self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
+
+    def prefill_done(self) -> None:
+        """The replica's first output arrived: its prefill is over (the router takes the
+        request's tokens off the replica's queue and learns its cost; once)."""
+        if self._request is not None and not self.finished:
+            self._router.first_byte(self._request)
 
     def fail(self) -> None:
         """The replica failed this request: the breaker hears of it at the finish."""
@@ -100,7 +122,8 @@ class Attempt:
             return
         self.finished = True
         verdict = None if self.server_errored or not self.sent else not self.failed
-        self._router.request_finished(self.replica_id, ok=verdict)
+        assert self._request is not None
+        self._router.request_finished(self._request, ok=verdict)
 
 
 def settle_server_errors(router: Router, attempts: list[Attempt]) -> None:

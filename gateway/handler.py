@@ -117,6 +117,7 @@ async def _serve(
     conversation = state.auth.scoped_conversation(tenant, conversation_key(body, headers))
     request = Forward(
         keys=prompt.keys,
+        prompt_tokens=prompt.prompt_tokens,
         conversation=conversation,
         model=route_model,
         path=path,

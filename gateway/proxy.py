@@ -50,6 +50,7 @@ class Forward(NamedTuple):
     """One request to forward: what the router needs and what the replica gets."""
 
     keys: list[bytes]  # the prompt's block keys
+    prompt_tokens: int  # the prompt's length (pseudo-tokens when keyed by bytes)
     conversation: str | None
     model: str | None  # None: any replica (none has said what it serves yet)
     path: str
@@ -87,7 +88,11 @@ async def _forward(
     for _ in range(ATTEMPTS):
         try:
             decision = router.route(
-                request.keys, request.conversation, model=request.model, exclude=tuple(tried)
+                request.keys,
+                request.conversation,
+                model=request.model,
+                exclude=tuple(tried),
+                prompt_tokens=request.prompt_tokens,
             )
         except NoHealthyReplica:
             if tried:
@@ -109,7 +114,7 @@ async def _forward(
         view = router.replicas.get(rid)
         if view is None:  # removed between route() and here
             continue
-        with Attempt(router, rid) as attempt:
+        with Attempt(router, decision) as attempt:
             attempts.append(attempt)
             outcome = await _attempt(state, attempt, view.url, request, ex, send)
         if outcome is None:
@@ -224,9 +229,13 @@ async def _send_stream(
         async for chunk in upstream.chunks():
             if ex.ttfb is None:
                 ex.ttfb = time.perf_counter()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if scanner is not None:
+            if scanner is None:
+                attempt.prefill_done()
+            else:
                 scanner.feed(chunk)
+                if scanner.output:
+                    attempt.prefill_done()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         if scanner is not None and not scanner.done:
             attempt.fail()
             await send(error_event(f"replica {rid} ended the stream early"))

@@ -1,20 +1,29 @@
-"""What the replica reported about the prompt cache, read from a passing answer without
-parsing all of it: ``usage.prompt_tokens_details.cached_tokens``."""
+"""What a passing answer says, read without parsing all of it: the prompt cache the
+replica reported (``usage.prompt_tokens_details.cached_tokens``) and, in a stream, the
+first event that carries generated output (the end of the replica's prefill)."""
 
 from __future__ import annotations
 
 import json
+import re
+
+# Generated output in a chunk: non-empty content or text, tool calls, or a finish reason.
+# A chat stream's first chunk (role only, ``"content":""``) is sent before any token.
+OUTPUT = re.compile(
+    rb'"(?:content|text)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[|"finish_reason"\s*:\s*"'
+)
 
 
 class SSEScanner:
-    """Watches a passing SSE stream for ``[DONE]`` and the usage chunk, without copying
-    more than the one event that straddles a chunk boundary."""
+    """Watches a passing SSE stream for its first output, ``[DONE]`` and the usage
+    chunk, without copying more than the one event that straddles a chunk boundary."""
 
-    __slots__ = ("cached_tokens", "done", "tail")
+    __slots__ = ("cached_tokens", "done", "output", "tail")
 
     def __init__(self) -> None:
         self.tail = b""
         self.done = False
+        self.output = False  # an event with generated output went by
         self.cached_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> None:
@@ -27,7 +36,10 @@ class SSEScanner:
     def _event(self, event: bytes) -> None:
         if event.startswith(b"data: [DONE]"):
             self.done = True
-        elif b'"cached_tokens"' in event and event.startswith(b"data:"):
+            return
+        if not self.output and OUTPUT.search(event):
+            self.output = True
+        if b'"cached_tokens"' in event and event.startswith(b"data:"):
             found = cached_tokens_in(event[5:])
             if found is not None:
                 self.cached_tokens = found

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.attempt import Attempt
 from gateway.upstream import UpstreamError
-from router.router import Router
+from router.router import Decision, Router
 
 
 def router_with(*replica_ids: str) -> Router:
@@ -19,6 +19,10 @@ def router_with(*replica_ids: str) -> Router:
     for rid in replica_ids:
         router.add_replica(rid, f"http://{rid}.invalid:1", model="m", static=True)
     return router
+
+
+def decision(rid: str = "r0", uncached_tokens: int = 0) -> Decision:
+    return Decision(rid, "test", 0, 0, uncached_tokens, 0)
 
 
 def in_flight(router: Router, rid: str = "r0") -> int:
@@ -31,8 +35,8 @@ def failures(router: Router, rid: str = "r0") -> int:
 
 def test_success_starts_and_finishes_once() -> None:
     router = router_with("r0")
-    other = Attempt(router, "r0").__enter__()  # a second request in flight there
-    with Attempt(router, "r0") as attempt:
+    other = Attempt(router, decision("r0")).__enter__()  # a second request in flight there
+    with Attempt(router, decision("r0")) as attempt:
         assert in_flight(router) == 2
         attempt.first_byte()
         first = attempt.first_byte_at
@@ -51,21 +55,21 @@ def test_success_starts_and_finishes_once() -> None:
 
 def test_failure_is_counted_once_against_the_replica() -> None:
     router = router_with("r0")
-    with Attempt(router, "r0") as attempt:
+    with Attempt(router, decision("r0")) as attempt:
         attempt.fail()
         attempt.finish()
     assert failures(router) == 1 and in_flight(router) == 0
-    with pytest.raises(UpstreamError), Attempt(router, "r0"):
+    with pytest.raises(UpstreamError), Attempt(router, decision("r0")):
         raise UpstreamError("ReadTimeout")
     assert failures(router) == 2 and in_flight(router) == 0
 
 
 def test_a_fault_of_the_gateway_finishes_without_blaming_the_replica() -> None:
     router = router_with("r0")
-    with Attempt(router, "r0") as failing:
+    with Attempt(router, decision("r0")) as failing:
         failing.fail()
     assert failures(router) == 1
-    with pytest.raises(KeyError), Attempt(router, "r0"):
+    with pytest.raises(KeyError), Attempt(router, decision("r0")):
         raise KeyError("a bug of ours")
     assert failures(router) == 0 and in_flight(router) == 0  # a success resets the count
 
@@ -76,7 +80,7 @@ def test_cancellation_finishes_and_is_not_the_replicas_fault() -> None:
     entered = asyncio.Event()
 
     async def forward() -> None:
-        with Attempt(router, "r0"):
+        with Attempt(router, decision("r0")):
             entered.set()
             await asyncio.Event().wait()  # the replica never answers
 
@@ -94,7 +98,7 @@ def test_cancellation_finishes_and_is_not_the_replicas_fault() -> None:
 
 def test_an_attempt_is_entered_once() -> None:
     router = router_with("r0")
-    attempt = Attempt(router, "r0")
+    attempt = Attempt(router, decision("r0"))
     attempt.finish()  # never started: nothing to finish
     assert in_flight(router) == 0 and not attempt.finished
     with attempt, pytest.raises(RuntimeError, match="entered twice"), attempt:
@@ -107,7 +111,7 @@ def test_in_flight_drains_to_zero_over_many_concurrent_outcomes() -> None:
 
     async def one(i: int) -> None:
         rid = f"r{i % 2}"
-        with Attempt(router, rid) as attempt:
+        with Attempt(router, decision(rid)) as attempt:
             await asyncio.sleep(0)  # interleave with the others
             if i % 5 == 0:
                 attempt.fail()
@@ -127,4 +131,22 @@ def test_in_flight_drains_to_zero_over_many_concurrent_outcomes() -> None:
 
     asyncio.run(main())
     assert in_flight(router, "r0") == 0 and in_flight(router, "r1") == 0
+    router.check_invariants()
+
+
+def test_the_prompts_tokens_are_queued_until_the_prefill_is_done() -> None:
+    router = router_with("r0")
+    load = router.replicas["r0"].load
+    with Attempt(router, decision("r0", uncached_tokens=300)) as attempt:
+        assert load.queued_tokens == 300 and load.in_flight == 1
+        attempt.first_byte()  # a stream's head: no output yet
+        assert load.queued_tokens == 300
+        attempt.prefill_done()
+        attempt.prefill_done()
+        assert load.queued_tokens == 0 and load.in_flight == 1
+    assert load.queued_tokens == 0 and load.in_flight == 0
+    with pytest.raises(UpstreamError), Attempt(router, decision("r0", 200)):
+        assert load.queued_tokens == 200
+        raise UpstreamError("ReadTimeout")  # failed before any output
+    assert load.queued_tokens == 0 and load.in_flight == 0
     router.check_invariants()

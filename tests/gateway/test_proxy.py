@@ -155,7 +155,8 @@ def test_a_stream_broken_off_ends_with_an_error_event() -> None:
         async with running_gateway([replica]) as (url, state), httpx.AsyncClient() as client:
             r = await client.post(url + "/v1/completions", json={**BODY, "stream": True})
             events = [e for e in r.text.split("\n\n") if e]
-            assert r.status_code == 200 and len(events) == 2, events
+            assert r.status_code == 200 and len(events) == 3, events
+            assert events[2] == "data: [DONE]"
             error = json.loads(events[1].removeprefix("data: "))["error"]
             assert error["code"] == "upstream_error" and "incomplete" in error["message"]
             assert metric(state, "prefixgate_gateway_requests_total{") == 1
@@ -270,6 +271,42 @@ def test_trailers_and_hop_by_hop_headers_never_reach_the_client() -> None:
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t"
                 assert r.headers["x-vendor"] == "kept" and "x-secret" not in r.headers
                 assert "x-secret" not in r.text
+        replica.close()
+
+    run(main())
+
+
+def test_a_streams_tokens_leave_the_queue_at_its_first_output() -> None:
+    prefilled, finish = asyncio.Event(), asyncio.Event()
+
+    def chunk(data: str) -> bytes:
+        event = f"data: {data}\n\n".encode()
+        return b"%x\r\n%s\r\n" % (len(event), event)
+
+    async def role_then_tokens(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+        w.write(sse('{"choices":[{"delta":{"role":"assistant","content":""}}]}', done=False))
+        await w.drain()  # a chat stream's role chunk goes out before any token
+        await prefilled.wait()
+        w.write(chunk('{"choices":[{"delta":{"content":"tok"}}]}'))
+        await w.drain()
+        await finish.wait()
+        w.write(chunk("[DONE]") + b"0\r\n\r\n")
+
+    async def main() -> None:
+        replica = await Replica(role_then_tokens).start()
+        async with running_gateway([replica]) as (url, state), httpx.AsyncClient() as client:
+            load = state.router.replicas[replica.replica_id].load
+            body = {"model": "m", "prompt": "p" * 400, "stream": True}
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                chunks = r.aiter_raw()
+                assert b"role" in await anext(chunks)
+                assert load.queued_tokens == 100  # 400 bytes: 100 pseudo-tokens, none cached
+                prefilled.set()
+                assert b"tok" in await anext(chunks)
+                assert load.queued_tokens == 0 and load.in_flight == 1  # decoding
+                finish.set()
+                rest = b"".join([c async for c in chunks])
+            assert b"[DONE]" in rest and load.in_flight == 0
         replica.close()
 
     run(main())

@@ -28,3 +28,23 @@ def test_cached_tokens_in_answers_whatever_their_shape() -> None:
     assert cached_tokens_in(body(details, content=quoted)) == 7
     assert cached_tokens_in(body({"prompt_tokens_details": None}, content=quoted)) is None
     assert cached_tokens_in(body({"prompt_tokens_details": {"cached_tokens": None}})) is None
+
+
+def test_sse_scanner_sees_the_first_output_not_the_role_chunk() -> None:
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    scanner = SSEScanner()
+    scanner.feed(role)
+    assert not scanner.output
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    scanner.feed(token[:30])  # the event is not complete yet
+    assert not scanner.output
+    scanner.feed(token[30:])
+    assert scanner.output
+    for first in (
+        b'data: {"choices":[{"text": "x","index":0}]}\n\n',  # a text completion
+        b'data: {"choices":[{"delta":{"tool_calls":[{"id":"c"}]}}]}\n\n',
+        b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n',  # no text at all
+    ):
+        scanner = SSEScanner()
+        scanner.feed(first)
+        assert scanner.output, first
