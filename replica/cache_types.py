@@ -21,8 +21,19 @@ class PrefixMatch(NamedTuple):
     block_ids: list[int]
     # Always <= len(token_ids) - 1: at least one prompt token is computed.
     cached_tokens: int
+    # How many of cached_tokens are in host-tier blocks (ids >= the device pool's size):
+    # PrefixCache.promote copies them to the device before the match is used.
+    host_tokens: int = 0
     # RULE for callers: when cached_tokens % B != 0, block_ids[-1] is shared and read-only;
     # copy it to a fresh block (allocate(1), copy tensors, release([old])) before writing.
+
+
+class Promotion(NamedTuple):
+    """``PrefixCache.promote``'s result: the match on device blocks only, and how many
+    blocks were copied in from the host tier to get there."""
+
+    match: PrefixMatch
+    blocks: int
 
 
 @dataclass(slots=True)
@@ -40,11 +51,26 @@ class CacheStats:
     pinned_blocks: int = 0
     cached_blocks: int = 0  # blocks holding registered content, pinned or not
     evictable_blocks: int = 0
+    # The host tier (all 0 without one). hit_tokens counts both tiers; host_hit_tokens
+    # the part that was found on the host and promoted.
+    host_total_blocks: int = 0
+    host_cached_blocks: int = 0
+    host_hits: int = 0  # queries whose match reached host blocks
+    host_hit_tokens: int = 0
+    demotions: int = 0  # device -> host block copies
+    promotions: int = 0  # host -> device block copies
+    host_evictions: int = 0  # host blocks dropped
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
 
     @property
     def hit_rate(self) -> float:
         """Token hit rate: cached prompt tokens / prompt tokens looked up."""
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def device_hit_tokens(self) -> int:
+        return self.hit_tokens - self.host_hit_tokens
 
     @property
     def utilization(self) -> float:
@@ -53,6 +79,7 @@ class CacheStats:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["hit_rate"] = self.hit_rate
+        out["device_hit_tokens"] = self.device_hit_tokens
         out["utilization"] = self.utilization
         return out
 

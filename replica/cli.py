@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p, "num-blocks", type=int, help="KV block pool size in blocks (instead of --kv-cache-mb)"
     )
+    add_env_flag(
+        p,
+        "host-cache-mb",
+        type=int,
+        default=0,
+        help="host-memory KV tier in MiB: evicted prefix blocks are copied there and "
+        "copied back on a hit (pinned memory on CUDA); 0 = off",
+    )
     add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
     add_env_flag(p, "max-running", type=int, default=64, help="most requests in the running batch")
     add_env_flag(
@@ -90,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.kv_cache_mb is not None and args.num_blocks is not None:
         print("prefixgate replica: give --kv-cache-mb or --num-blocks, not both", file=sys.stderr)
+        return 2
+    if args.host_cache_mb < 0 or (args.host_cache_mb and args.model == SIM_MODEL):
+        print(
+            "prefixgate replica: --host-cache-mb must be >= 0, and the simulated engine "
+            "(--model sim) has no host tier",
+            file=sys.stderr,
+        )
         return 2
     try:
         limits = http_limits_from_args(args)
@@ -150,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(
             num_blocks=args.num_blocks,
             kv_cache_mb=args.kv_cache_mb,
+            host_cache_mb=args.host_cache_mb,
             block_size=args.block_size,
             max_prefill_tokens_per_step=args.max_prefill_tokens,
             max_running=args.max_running,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 class EngineConfig:
     num_blocks: int | None = None  # wins over kv_cache_mb
     kv_cache_mb: int | None = None  # the backend's default budget when both are None
+    host_cache_mb: int = 0  # the host tier (replica.host_pool); 0 = none
     block_size: int = 16
     max_prefill_tokens_per_step: int = 512
     max_running: int = 64

@@ -136,6 +136,18 @@ class ContentIndex:
         counts[length] = counts.get(length, 0) + 1
         content.tail_lengths += (length,)
 
+    def move(self, src: int, dst: int) -> None:
+        """Give ``dst`` the content of ``src`` (a copy of its KV between tiers): same uid,
+        key and exact-match entries, so children still verify their parent."""
+        content = self.contents[src]
+        assert content is not None and self.contents[dst] is None
+        self.contents[dst] = content
+        self.contents[src] = None
+        if content.key is not None:
+            self._by_key[content.key] = dst
+        for length in content.tail_lengths:
+            self._tails[(content.prev, content.data[: 4 * length])] = dst
+
     def drop(self, block_id: int) -> bytes | None:
         """Unindex and forget a block's content; returns its full key if it had one."""
         content = self.contents[block_id]

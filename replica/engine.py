@@ -82,6 +82,10 @@ class Engine:
             backend = TorchBackend(model, config)  # type: ignore[arg-type]
         self.backend = backend
         self.pool = backend.pool
+        # A backend with a host tier offers its tensors as ``host_pool`` (a BlockMover).
+        host_pool = getattr(backend, "host_pool", None)
+        if config.host_cache_mb and host_pool is None:
+            raise ValueError(f"the {type(backend).__name__} backend has no host cache tier")
         self.cache = PrefixCache(
             self.pool.num_blocks,
             config.block_size,
@@ -89,6 +93,8 @@ class Engine:
             eviction_policy=config.eviction_policy,
             ttl_s=config.ttl_s,
             listener=listener,
+            host_blocks=host_pool.num_blocks if host_pool is not None else 0,
+            mover=host_pool,
         )
         self._eos = frozenset(model.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(

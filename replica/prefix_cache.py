@@ -12,6 +12,11 @@ Block states (``check_invariants`` asserts the partition):
     evictable   ref 0, cached content            in the eviction policy
     pinned      ref > 0, cached or private        counted by ``_pinned``
 
+With a host tier (``replica.host_tier``, ids after the device blocks) evicting a device
+block demotes its content to a host slot instead of dropping it, and a match that reaches
+host blocks is promoted back (``promote``) before the request's prefill. Pinned blocks
+never move; a key is in one tier at a time.
+
 Cached-token arithmetic for a prompt of n tokens, B = 4 (``|`` = block edges):
 
     tokens   0 1 2 3 | 4 5 6 7 | 8 9
@@ -34,12 +39,22 @@ from replica.cache_types import (
     CacheStats,
     KeyFn,
     PrefixMatch,
+    Promotion,
 )
 from replica.content_index import ContentIndex
 from replica.eviction import EvictionPolicy, make_policy
+from replica.host_tier import BlockMover, HostTier
 from router.protocol import DEFAULT_BLOCK_SIZE, SnapshotBlock, chain_key, encode_tokens, root_key
 
-__all__ = ["CacheFull", "CacheListener", "CacheStats", "KeyFn", "PrefixCache", "PrefixMatch"]
+__all__ = [
+    "CacheFull",
+    "CacheListener",
+    "CacheStats",
+    "KeyFn",
+    "PrefixCache",
+    "PrefixMatch",
+    "Promotion",
+]
 
 
 class PrefixCache:
@@ -57,7 +72,11 @@ class PrefixCache:
         clock: Callable[[], float] = time.monotonic,
         key_fn: KeyFn | None = None,
         listener: CacheListener | None = None,
+        host_blocks: int = 0,
+        mover: BlockMover | None = None,
     ) -> None:
+        """``host_blocks`` > 0 adds a host tier of that many blocks; ``mover`` copies KV
+        between the tiers (required with it)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks, block_size must be positive: {num_blocks}, {block_size}")
         if ttl_s is not None and ttl_s <= 0:
@@ -70,9 +89,15 @@ class PrefixCache:
         self._clock = clock
         self._key_fn: KeyFn = key_fn if key_fn is not None else chain_key
         self._listener = listener
+        if host_blocks < 0 or (host_blocks and mover is None):
+            raise ValueError(f"host_blocks must be >= 0 and come with a mover, got {host_blocks}")
+        self._host = HostTier(num_blocks, host_blocks) if host_blocks else None
+        self._mover = mover
 
-        self._refs = [0] * num_blocks
-        self._index = ContentIndex(num_blocks, block_size, self._key_fn)
+        # Ref counts and contents by block id over both tiers (host ids start at
+        # num_blocks); a host block is held (ref > 0) only inside ``promote``.
+        self._refs = [0] * (num_blocks + host_blocks)
+        self._index = ContentIndex(num_blocks + host_blocks, block_size, self._key_fn)
         self._contents = self._index.contents  # the same list: read by block id
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._pinned = 0
@@ -98,22 +123,64 @@ class PrefixCache:
     # ------------------------------------------------------------------------- lookup
 
     def match(self, token_ids: Sequence[int], salt: str = "") -> PrefixMatch:
-        """The longest verified cached prefix of ``token_ids``, pinned for the caller."""
+        """The longest verified cached prefix of ``token_ids``, pinned for the caller.
+        Blocks found on the host tier come back as host ids, counted in ``host_tokens``:
+        the caller passes the match to ``promote`` (or ``release``) right away."""
         n = len(token_ids)
         stats = self._stats
         stats.queries += 1
         stats.query_tokens += n
         hit = self._index.lookup(encode_tokens(token_ids), self.root(salt))
         cached = min(hit.tokens, n - 1) if n else 0
-        found = hit.block_ids[: math.ceil(cached / self._block_size)]
-        for block_id in found:
+        B = self._block_size
+        found = hit.block_ids[: math.ceil(cached / B)]
+        host = self._host
+        host_tokens = 0
+        for i, block_id in enumerate(found):
             self._pin_one(block_id)
+            if host is not None and host.holds(block_id):
+                host_tokens += min(B, cached - i * B)
         if cached:
             stats.hits += 1
             stats.hit_tokens += cached
+            if host_tokens:
+                stats.host_hits += 1
+                stats.host_hit_tokens += host_tokens
         else:
             stats.misses += 1
-        return PrefixMatch(found, cached)
+        return PrefixMatch(found, cached, host_tokens)
+
+    def promote(self, match: PrefixMatch) -> Promotion:
+        """Copy the host blocks of ``match`` (from ``match``) into fresh device blocks, the
+        caller's pins moving with them; the same match on device blocks only. When the
+        device pool cannot take them all, the match is cut before the first block left
+        on the host (released back to the host tier). Pinned device blocks never move:
+        the fresh blocks come from the free list or demote idle ones. Also says how
+        many blocks were copied."""
+        host, mover = self._host, self._mover
+        if host is None or mover is None or not match.host_tokens:
+            return Promotion(match, 0)
+        ids = list(match.block_ids)
+        on_host = [i for i, block_id in enumerate(ids) if host.holds(block_id)]
+        k = min(len(on_host), len(self._free) + len(self._policy))
+        fresh = self.allocate(k)  # the match's own blocks are pinned: never victims
+        refs = self._refs
+        for i, dst in zip(on_host, fresh, strict=False):
+            src = ids[i]
+            assert refs[src] == 1, f"host block {src} held {refs[src]} times"
+            mover.promote(host.slot(src), dst)
+            self._index.move(src, dst)
+            refs[src] = 0
+            host.give_back(src)
+            ids[i] = dst
+        self._stats.promotions += k
+        cached = match.cached_tokens
+        if k < len(on_host):
+            cut = on_host[k]
+            self.release(ids[cut:])
+            ids = ids[:cut]
+            cached = cut * self._block_size
+        return Promotion(PrefixMatch(ids, cached, 0), k)
 
     # ------------------------------------------------------------------------- blocks
 
@@ -134,9 +201,10 @@ class PrefixCache:
         for _ in range(evict):
             victim = self._policy.pop()
             self._idle_since.pop(victim, None)
-            key = self._drop_content(victim)
-            if key is not None:
-                removed.append(key)
+            if not self._demote(victim, removed):
+                key = self._drop_content(victim)
+                if key is not None:
+                    removed.append(key)
             out.append(victim)
         self._stats.evictions += evict
         refs = self._refs
@@ -158,8 +226,9 @@ class PrefixCache:
 
     def release(self, block_ids: Sequence[int]) -> None:
         """-1 ref each. Pass a request's blocks in order: they go idle tail-first, so its
-        last block becomes the oldest and shared heads outlive their tails."""
-        self._check_ids(block_ids)
+        last block becomes the oldest and shared heads outlive their tails. Host blocks
+        of a match not promoted go back to the host tier."""
+        self._check_ids(block_ids, len(self._refs))
         refs = self._refs
         if any(refs[block_id] <= 0 for block_id in block_ids):
             raise ValueError(f"a block in {list(block_ids)} was released more times than held")
@@ -173,8 +242,14 @@ class PrefixCache:
             refs[block_id] = left
             if left:
                 continue
-            self._pinned -= 1
             content = self._contents[block_id]
+            if self._host is not None and self._host.holds(block_id):
+                if content is None:  # cleared while held
+                    self._host.give_back(block_id)
+                else:
+                    self._host.push(block_id)
+                continue
+            self._pinned -= 1
             if content is None:
                 self._free[block_id] = None
                 continue
@@ -184,14 +259,19 @@ class PrefixCache:
 
     def _pin_one(self, block_id: int) -> None:
         if self._refs[block_id] == 0:
-            self._pinned += 1
-            self._policy.discard(block_id)
-            self._idle_since.pop(block_id, None)
+            if self._host is not None and self._host.holds(block_id):
+                self._host.hold(block_id)
+            else:
+                self._pinned += 1
+                self._policy.discard(block_id)
+                self._idle_since.pop(block_id, None)
         self._refs[block_id] += 1
 
-    def _check_ids(self, block_ids: Sequence[int]) -> None:
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self._num_blocks):
-            raise ValueError(f"block ids {list(block_ids)} out of range [0, {self._num_blocks})")
+    def _check_ids(self, block_ids: Sequence[int], limit: int | None = None) -> None:
+        """Device ids only, unless ``limit`` admits host ids too."""
+        end = self._num_blocks if limit is None else limit
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= end):
+            raise ValueError(f"block ids {list(block_ids)} out of range [0, {end})")
 
     # ------------------------------------------------------------------------- commit
 
@@ -252,6 +332,12 @@ class PrefixCache:
             other = self._contents[holder]
             assert other is not None
             if other.follows(prev, parent_uid) and other.data == chunk:
+                if own is None and self._on_idle_host(holder):
+                    # We just computed what the host holds: ours becomes the cached copy
+                    # (same uid: children still verify), the host slot is freed.
+                    assert self._host is not None
+                    self._index.move(holder, block_id)
+                    self._host.give_back(holder)
                 return key, other.uid, False  # same KV already cached: ours stays unindexed
             if self._refs[holder] > 0:
                 return None  # a pinned colliding/orphaned block: leave it, stop here
@@ -286,8 +372,38 @@ class PrefixCache:
         self._policy.discard(block_id)
         return self._index.drop(block_id)
 
+    def _on_idle_host(self, block_id: int) -> bool:
+        return self._host is not None and self._host.holds(block_id) and not self._refs[block_id]
+
+    def _demote(self, victim: int, removed: list[bytes]) -> bool:
+        """Move an evicted device block's content to the host tier (dropping the host's
+        oldest idle block when it is full, its key into ``removed``); False when there
+        is no host tier or every host block is held."""
+        host, mover = self._host, self._mover
+        if host is None or mover is None or not host.can_take:
+            return False
+        slot = host.take_free()
+        if slot is None:
+            slot = host.pop_victim()
+            key = self._index.drop(slot)
+            if key is not None:
+                removed.append(key)
+            self._stats.host_evictions += 1
+        mover.demote(victim, host.slot(slot))
+        self._index.move(victim, slot)
+        host.push(slot)
+        self._stats.demotions += 1
+        return True
+
     def _evict_now(self, block_id: int) -> None:
         """Drop an idle cached block out of order (commit replaces it) to the free list."""
+        if self._host is not None and self._host.holds(block_id):
+            key = self._index.drop(block_id)
+            self._host.give_back(block_id)
+            self._stats.host_evictions += 1
+            if key is not None and self._listener is not None:
+                self._listener.on_removed([key])
+            return
         self._idle_since.pop(block_id, None)
         key = self._drop_content(block_id)
         self._free[block_id] = None
@@ -322,10 +438,16 @@ class PrefixCache:
         holders but leave the index (so a ``cleared`` event is true) and are freed on
         release."""
         count = 0
+        host = self._host
         for block_id, content in enumerate(self._contents):
             if content is None:
                 continue
             self._drop_content(block_id)
+            if host is not None and host.holds(block_id):
+                if self._refs[block_id] == 0:  # a held one is given back on release
+                    host.give_back(block_id)
+                    count += 1
+                continue
             if self._refs[block_id] == 0:
                 self._free[block_id] = None
                 count += 1
@@ -339,6 +461,9 @@ class PrefixCache:
     def stats(self) -> CacheStats:
         s = self._stats
         free = len(self._free)
+        host = self._host
+        host_cached = len(host.idle) if host is not None else 0
+        block_bytes = self._mover.block_bytes if self._mover is not None else 0
         return CacheStats(
             queries=s.queries,
             hits=s.hits,
@@ -351,8 +476,17 @@ class PrefixCache:
             free_blocks=free,
             used_blocks=self._num_blocks - free,
             pinned_blocks=self._pinned,
-            cached_blocks=self._index.cached,
+            cached_blocks=self._index.cached - host_cached,
             evictable_blocks=len(self._policy),
+            host_total_blocks=host.num_blocks if host is not None else 0,
+            host_cached_blocks=host_cached,
+            host_hits=s.host_hits,
+            host_hit_tokens=s.host_hit_tokens,
+            demotions=s.demotions,
+            promotions=s.promotions,
+            host_evictions=s.host_evictions,
+            bytes_to_host=s.demotions * block_bytes,
+            bytes_to_device=s.promotions * block_bytes,
         )
 
     def snapshot(self) -> list[SnapshotBlock]:
@@ -369,8 +503,9 @@ class PrefixCache:
         are consistent. O(cache)."""
         self._policy.check_invariants()
         self._index.check_invariants()
-        refs, contents = self._refs, self._contents
-        assert all(r >= 0 for r in refs), "negative ref count"
+        N, contents = self._num_blocks, self._contents
+        refs = self._refs[:N]
+        assert all(r >= 0 for r in self._refs), "negative ref count"
         pinned = sum(1 for r in refs if r > 0)
         assert pinned == self._pinned, f"pinned counter {self._pinned} != {pinned}"
         assert len(self._free) + len(self._policy) + pinned == self._num_blocks, (
@@ -381,7 +516,13 @@ class PrefixCache:
             assert refs[block_id] == 0, f"free block {block_id} is pinned"
             assert contents[block_id] is None, f"free block {block_id} is cached"
             assert block_id not in self._policy, f"block {block_id} both free and evictable"
-        for block_id, content in enumerate(contents):
+        keys = [c.key for c in contents if c is not None and c.key is not None]
+        assert len(keys) == len(set(keys)), "a key is held by two blocks (or two tiers)"
+        if self._host is not None:
+            held = {b for b in range(N, len(self._refs)) if self._refs[b]}
+            cached = {b for b in range(N, len(contents)) if contents[b] is not None}
+            self._host.check_invariants(cached - held, held)
+        for block_id, content in enumerate(contents[:N]):
             if content is None:
                 continue
             in_policy = block_id in self._policy

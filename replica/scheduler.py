@@ -45,6 +45,9 @@ log = logging.getLogger("prefixgate.replica.engine")
 class SchedulerConfig:
     max_prefill_tokens_per_step: int = 512
     max_running: int = 64
+    # Prefill budget charged per token whose KV is copied in from the host tier: a copy
+    # over PCIe costs about a tenth of computing the token (a memcpy on CPU, less).
+    swap_in_token_cost: float = 0.1
 
 
 class Scheduler:
@@ -82,6 +85,7 @@ class Scheduler:
         self.running: list[SequenceState] = []  # admission order: preempt from the end
         self.requests: dict[str, RequestState] = {}
         self.num_preemptions = 0
+        self.swapped_in_tokens = 0  # tokens whose KV came back from the host tier
 
     # ------------------------------------------------------------------------- intake
 
@@ -198,11 +202,14 @@ class Scheduler:
                 self.waiting.popleft()
                 self._emit(seq, seq.finish("length"))
                 continue
+            swapped = self.swapped_in_tokens
             if not self._admit(seq):
                 break
             self.waiting.popleft()
-            plan[id(seq)] = min(seq.num_to_compute, budget)
-            budget -= plan[id(seq)]
+            budget -= math.ceil((self.swapped_in_tokens - swapped) * self.config.swap_in_token_cost)
+            if budget > 0:  # else the copy took this step's budget: it prefills next step
+                plan[id(seq)] = min(seq.num_to_compute, budget)
+                budget -= plan[id(seq)]
         scheduled = [s for s in self.running if id(s) in plan]
         if scheduled:
             self._run(scheduled, plan)
@@ -270,6 +277,9 @@ class Scheduler:
         if self._prefilling_more_of(seq, hit.cached_tokens // bs):
             self.cache.release(hit.block_ids)
             return False
+        if hit.host_tokens:  # copy the host tier's blocks in before the prefill
+            hit, blocks_in = self.cache.promote(hit)
+            self.swapped_in_tokens += blocks_in * bs
         partial = hit.cached_tokens % bs != 0
         try:
             fresh = self.cache.allocate(need_total - len(hit.block_ids) + int(partial))

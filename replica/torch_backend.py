@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from replica.attention import PagedBatch, build_paged_batch, use_paged_attention
+from replica.host_pool import HostPool
 from replica.pool import BlockPool, PoolShape
 from replica.request import SamplingParams
 from replica.runner import ForwardFn, SeqSlice
@@ -92,6 +93,10 @@ class TorchBackend:
         else:
             budget = config.kv_cache_mb if config.kv_cache_mb is not None else DEFAULT_KV_CACHE_MB
             self.pool = BlockPool.from_budget(shape, budget, model.device)
+        # The host tier, the prefix cache's mover between it and the pool (or none).
+        self.host_pool = (
+            HostPool.from_budget(self.pool, config.host_cache_mb) if config.host_cache_mb else None
+        )
         use_paged_attention(model.model)
         self.vocab_size = int(model.model.config.vocab_size)
 

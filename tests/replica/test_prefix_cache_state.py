@@ -18,7 +18,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from replica.prefix_cache import CacheFull, KeyFn, PrefixCache
+from replica.host_tier import BlockMover
+from replica.prefix_cache import CacheFull, KeyFn, PrefixCache, PrefixMatch
 
 B = 4
 NUM_BLOCKS = 12
@@ -44,10 +45,14 @@ class Request:
 class PrefixCacheMachine(RuleBasedStateMachine):
     policy = "lru"
     key_fn: KeyFn | None = None
+    host_blocks = 0  # > 0: a host tier (tests/replica/test_host_tier_state.py)
 
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
+        self.truth: dict[int, tuple[str, tuple[int, ...]] | None] = {}
+        self.holds: Counter[int] = Counter()
+        self.requests: list[Request] = []
         self.cache = PrefixCache(
             NUM_BLOCKS,
             B,
@@ -56,10 +61,29 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             ttl_s=5.0,
             clock=lambda: self.now,
             key_fn=type(self).key_fn,
+            host_blocks=self.host_blocks,
+            mover=self.make_mover(),
         )
-        self.truth: dict[int, tuple[str, tuple[int, ...]] | None] = {}
-        self.holds: Counter[int] = Counter()
-        self.requests: list[Request] = []
+
+    def make_mover(self) -> BlockMover | None:
+        return None
+
+    def lookup(self, tokens: list[int], salt: str) -> PrefixMatch:
+        """The cache's match for a new request, as the scheduler takes it."""
+        hit = self.cache.match(tokens, salt)
+        self.check_hit(hit, tokens, salt)
+        return hit
+
+    def check_hit(self, hit: PrefixMatch, tokens: list[int], salt: str) -> None:
+        """Every matched block holds KV computed for exactly that salt and prefix."""
+        n = len(tokens)
+        assert hit.cached_tokens <= max(n - 1, 0)
+        assert len(hit.block_ids) == -(-hit.cached_tokens // B)
+        for i, b in enumerate(hit.block_ids):
+            end = min((i + 1) * B, hit.cached_tokens)
+            truth = self.truth.get(b)
+            assert truth is not None, f"hit on block {b} that holds no KV"
+            assert truth[0] == salt and truth[1][:end] == tuple(tokens[:end]), "wrong KV"
 
     # -------------------------------------------------------------- helpers
 
@@ -95,15 +119,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=prompts, salt=salts)
     def start(self, tokens: list[int], salt: str) -> None:
-        hit = self.cache.match(tokens, salt)
+        hit = self.lookup(tokens, salt)
         n = len(tokens)
-        assert hit.cached_tokens <= max(n - 1, 0)
-        assert len(hit.block_ids) == -(-hit.cached_tokens // B)
-        for i, b in enumerate(hit.block_ids):
-            end = min((i + 1) * B, hit.cached_tokens)
-            truth = self.truth.get(b)
-            assert truth is not None, f"hit on block {b} that holds no KV"
-            assert truth[0] == salt and truth[1][:end] == tuple(tokens[:end]), "wrong KV"
         self.holds.update(hit.block_ids)
         blocks = list(hit.block_ids)
         if hit.cached_tokens % B:  # copy-on-write of the shared partial block
