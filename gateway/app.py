@@ -79,7 +79,7 @@ def create_app(
             config.upstream_timeout_s,
             config.pool_timeout_s,
         ),
-        keys=keys or KeyBuilder(config.tokenizer, inline_chars=config.inline_tokenize_chars),
+        keys=keys or _key_builder(config),
         auth=auth,
         metrics=GatewayMetrics(lambda: router.replicas),
     )
@@ -87,6 +87,21 @@ def create_app(
     app.state.gateway = state
     _add_routes(app)
     return GatewayApp(state, app)
+
+
+def _key_builder(config: GatewayConfig) -> KeyBuilder:
+    from prefixgate.tokenizer import read_chat_template_file
+
+    every = config.chat_template
+    return KeyBuilder(
+        config.tokenizer,
+        inline_chars=config.inline_tokenize_chars,
+        chat_templates={
+            model: read_chat_template_file(path)
+            for model, path in config.model_chat_templates.items()
+        },
+        chat_template=read_chat_template_file(every) if every is not None else None,
+    )
 
 
 @contextlib.asynccontextmanager

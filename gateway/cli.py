@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_env_list_flag(p, "model", help="model assumed for static replicas that do not say")
     add_env_flag(p, "tokenizer", help="tokenizer for every model")
+    add_env_list_flag(
+        p,
+        "chat-template",
+        metavar="[MODEL=]FILE",
+        help="a jinja chat template instead of the model's own, for every model or for "
+        "MODEL (repeatable); start the model's replicas with the same --chat-template",
+    )
     add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body")
     add_env_flag(p, "upstream-timeout-s", type=float, default=600.0, help="per upstream request")
@@ -87,7 +94,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def chat_template_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
+    """``--chat-template FILE`` (every model) and ``--chat-template MODEL=FILE``."""
+    every: Path | None = None
+    per_model: dict[str, Path] = {}
+    for value in values:
+        model, sep, file = value.partition("=")
+        path = Path(file if sep else value)
+        if not path.is_file():
+            raise ValueError(f"--chat-template {value}: no such file {path}")
+        if sep:
+            per_model[model] = path
+        elif every is not None:
+            raise ValueError("--chat-template FILE given twice; use MODEL=FILE per model")
+        else:
+            every = path
+    return every, per_model
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    chat_template, model_chat_templates = chat_template_flags(args.chat_template)
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -98,6 +124,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys_path=Path(args.api_keys) if args.api_keys else None,
         models=args.model,
         tokenizer=args.tokenizer,
+        chat_template=chat_template,
+        model_chat_templates=model_chat_templates,
         block_size=args.block_size,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         upstream_timeout_s=args.upstream_timeout_s,

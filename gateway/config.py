@@ -25,6 +25,10 @@ class GatewayConfig:
     models: list[str] = field(default_factory=list)
     # Tokenizer for every model (overrides the per-model lookup by name).
     tokenizer: str | None = None
+    # --chat-template: a jinja file for every model, and per model (MODEL=FILE); the
+    # replicas serving a model must be started with the same one.
+    chat_template: Path | None = None
+    model_chat_templates: dict[str, Path] = field(default_factory=dict)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_body_bytes: int = 16 * 1024 * 1024
     # Longest wait for the upstream's next byte (first byte included); then it counts as

@@ -14,12 +14,14 @@ router's optimistic inserts alone make requests that share a prefix share a repl
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
+from prefixgate.chat_input import ChatInput, chat_input
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest
 from router.protocol import KeySpace
 
@@ -29,9 +31,7 @@ log = logging.getLogger("prefixgate.gateway")
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]: ...
+    def encode_input(self, chat: ChatInput) -> list[int]: ...
 
 
 class PromptKeys(NamedTuple):
@@ -40,13 +40,17 @@ class PromptKeys(NamedTuple):
     tokenized: bool  # False: keys over the prompt's bytes (no tokenizer for the model)
 
 
-def default_loader(name_or_path: str) -> Tokenizer:
-    """The model's chat tokenizer, with chats encoded from cached pieces where that is
-    provably the same (prefixgate/segments.py)."""
+def default_loader(name_or_path: str, chat_template: str | None = None) -> Tokenizer:
+    """The model's chat tokenizer (with ``chat_template`` instead of its own when given),
+    with chats encoded from cached pieces where that is provably the same
+    (prefixgate/segments.py)."""
     from prefixgate.segments import SegmentCache
     from prefixgate.tokenizer import ChatTokenizer
 
-    cached = SegmentCache(ChatTokenizer.for_model(name_or_path))
+    tokenizer = ChatTokenizer.for_model(name_or_path)
+    if chat_template is not None:
+        tokenizer.set_chat_template(chat_template)
+    cached = SegmentCache(tokenizer)
     if not cached.enabled:
         log.info("tokenizer %r: chats are tokenized whole (no piece cache)", name_or_path)
     return cached
@@ -55,18 +59,31 @@ def default_loader(name_or_path: str) -> Tokenizer:
 class KeyBuilder:
     """Tokenizers per model (loaded once, failures remembered) and key computation."""
 
-    __slots__ = ("_inline_chars", "_loader", "_override", "_tokenizers")
+    __slots__ = (
+        "_chat_template",
+        "_chat_templates",
+        "_inline_chars",
+        "_loader",
+        "_override",
+        "_tokenizers",
+    )
 
     def __init__(
         self,
         tokenizer: str | None = None,
         *,
         inline_chars: int = 8192,
-        loader: Callable[[str], Tokenizer] = default_loader,
+        loader: Callable[[str, str | None], Tokenizer] = default_loader,
+        chat_templates: Mapping[str, str] | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self._override = tokenizer
         self._inline_chars = inline_chars
         self._loader = loader
+        # model -> chat template source (--chat-template): the replicas serving the model
+        # must use the same one, or keys and cached blocks never match.
+        self._chat_templates = dict(chat_templates or {})
+        self._chat_template = chat_template  # for models without their own
         self._tokenizers: dict[str, Tokenizer | None] = {}
 
     def tokenizer_for(self, model: str) -> Tokenizer | None:
@@ -75,12 +92,15 @@ class KeyBuilder:
             return self._tokenizers[model]
         source = self._override or model
         try:
-            tokenizer: Tokenizer | None = self._loader(source)
+            tokenizer: Tokenizer | None = self._loader(source, self.chat_template_for(model))
         except Exception as exc:  # any loader failure means "no tokenizer", not a 500
             log.warning("no tokenizer for model %r (%s); routing on prompt bytes", model, exc)
             tokenizer = None
         self._tokenizers[model] = tokenizer
         return tokenizer
+
+    def chat_template_for(self, model: str) -> str | None:
+        return self._chat_templates.get(model, self._chat_template)
 
     async def preload(self, model: str) -> None:
         if model not in self._tokenizers:
@@ -118,14 +138,27 @@ def prompt_keys(
             return PromptKeys(space.short_keys(ids), len(ids), True)
         text = prompt
     else:
-        messages = request.template_messages()
+        chat = chat_input(request)
         if tokenizer is not None:
-            ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+            ids = tokenizer.encode_input(chat)
             return PromptKeys(space.short_keys(ids), len(ids), True)
-        text = "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in messages)
+        text = chat_bytes_text(chat)
     words = bytes_as_tokens(text.encode("utf-8"))
     byte_space = KeySpace(f"bytes:{model}", block_size, salt)
     return PromptKeys(byte_space.short_keys(words), len(words), False)
+
+
+def chat_bytes_text(chat: ChatInput) -> str:
+    """A chat as one text for byte keys: tool definitions first (they lead the prompt in
+    tool-aware templates), then each message with its tool calls."""
+    parts = [json.dumps(chat.tools, sort_keys=True)] if chat.tools else []
+    for m in chat.messages:
+        parts.append(f"\x1e{m['role']}\x1f{m['content']}")
+        if "tool_calls" in m:
+            parts.append(json.dumps(m["tool_calls"], sort_keys=True))
+        if "tool_call_id" in m:
+            parts.append(f"\x1f{m['tool_call_id']}")
+    return "".join(parts)
 
 
 def bytes_as_tokens(data: bytes) -> Sequence[int]:
@@ -140,4 +173,5 @@ def bytes_as_tokens(data: bytes) -> Sequence[int]:
 def _prompt_chars(request: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(request, CompletionRequest):
         return len(request.single_prompt())
-    return sum(len(m.content) if isinstance(m.content, str) else 1024 for m in request.messages)
+    chars = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in request.messages)
+    return chars + 1024 * len(request.tools or ())

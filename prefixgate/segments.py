@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from prefixgate.chat_input import ChatInput
+
 # Pre-tokenizer or normalizer settings under which a piece's ids depend on its position.
 POSITION_DEPENDENT = ('"Metaspace"', '"Prepend"', '"prepend_scheme"')
 
@@ -50,9 +52,7 @@ class ChatSource(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> str: ...
+    def render(self, chat: ChatInput) -> str: ...
 
 
 class PieceSplitter:
@@ -140,9 +140,12 @@ class SegmentCache:
         return self.inner.encode(text)
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        text = self.inner.apply_chat_template(messages, add_generation_prompt)
+        return self.encode_input(ChatInput.plain(messages, add_generation_prompt))
+
+    def encode_input(self, chat: ChatInput) -> list[int]:
+        text = self.inner.render(chat)
         if self._splitter is None:
             return self._whole(text)
         return self._by_pieces(self._splitter, text)
@@ -180,7 +183,7 @@ class SegmentCache:
     def _agrees(self, splitter: PieceSplitter) -> bool:
         for chat in probe_chats():
             try:
-                text = self.inner.apply_chat_template(chat, True)
+                text = self.inner.render(ChatInput.plain(list(chat)))
             except Exception:  # a template that refuses the probe: no proof, no cache
                 return False
             if self._by_pieces(splitter, text) != self._whole(text):

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from prefixgate.chat_input import ChatInput
 from prefixgate.models import ensure_tokenizer_dir
 from prefixgate.wire import OpenAIError
 
@@ -63,14 +65,52 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads (``tools``, ``documents``, ...)."""
+    return frozenset(meta.find_undeclared_variables(_environment().parse(source)))
+
+
+def read_chat_template_file(path: str | Path) -> str:
+    """A ``--chat-template FILE``: the jinja source, compiled once here so that a broken
+    template stops the server at start-up rather than failing every chat."""
+    source = Path(path).read_text()
+    try:
+        compile_chat_template(source)
+    except jinja2.exceptions.TemplateError as error:
+        raise ValueError(f"chat template {path}: {error}") from error
+    return source
+
+
+def _continued(rendered: str, chat: ChatInput) -> str:
+    """transformers' ``continue_final_message``: cut the text after the last message's
+    content, so the model continues it."""
+    if not chat.messages:
+        raise ChatTemplateError("continue_final_message needs a message", param="messages")
+    final = chat.messages[-1].get("content")
+    if not isinstance(final, str) or final.strip() not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message does not appear in the "
+            "rendered chat",
+            param="messages",
+        )
+    at = rendered.rindex(final.strip())
+    if rendered[at : at + len(final.lstrip())] == final:
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]
 
 
 def _token_content(value: Any) -> str | None:
@@ -112,8 +152,10 @@ class ChatTokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.special_tokens = special_tokens
-        self.chat_template = chat_template
-        self._template = compile_chat_template(chat_template) if chat_template else None
+        self.chat_template: str | None = None
+        self._template: jinja2.Template | None = None
+        self.template_reads: frozenset[str] = frozenset()
+        self.set_chat_template(chat_template)
         self.eos_token_ids = eos_token_ids
         bos = special_tokens.get("bos_token")
         self.bos_token_id: int | None = tokenizer.token_to_id(bos) if bos is not None else None
@@ -149,40 +191,62 @@ class ChatTokenizer:
         tokenizer.name = name_or_path
         return tokenizer
 
+    def set_chat_template(self, source: str | None) -> None:
+        """Use ``source`` (a ``--chat-template``) instead of the model's own template."""
+        self.chat_template = source
+        self._template = compile_chat_template(source) if source else None
+        self.template_reads = template_variables(source) if source else frozenset()
+
+    @property
+    def template_ignores_tools(self) -> bool:
+        """The template never reads ``tools``: tool definitions do not reach the prompt."""
+        return self._template is not None and "tools" not in self.template_reads
+
     def encode(self, text: str) -> list[int]:
         """Ids of plain text, with whatever the tokenizer adds for plain text (as
         transformers' ``tokenizer(text).input_ids``)."""
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True).ids
         return ids
 
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> str:
+    def render(self, chat: ChatInput) -> str:
         """The prompt text of a chat, rendered as transformers renders it."""
         if self._template is None:
             raise ChatTemplateError(
-                f"model {self.name!r} has no chat template; use /v1/completions", param="messages"
+                f"model {self.name!r} has no chat template; use /v1/completions or start "
+                "the server with --chat-template FILE",
+                param="messages",
             )
         try:
-            return self._template.render(
-                messages=[dict(message) for message in messages],
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
+            rendered = self._template.render({**self.special_tokens, **chat.variables()})
         except jinja2.exceptions.TemplateError as error:
             raise ChatTemplateError(
                 f"the model's chat template rejected the messages: {error}", param="messages"
             ) from error
+        except (TypeError, ValueError, LookupError, ArithmeticError) as error:
+            # A template tripping over the request's own values (a tool schema of an
+            # unexpected shape, a kwarg of the wrong type) is the request's problem.
+            raise ChatTemplateError(
+                f"the model's chat template cannot render this request: {error}",
+                param="messages",
+            ) from error
+        return _continued(rendered, chat) if chat.continue_final_message else rendered
+
+    def encode_input(self, chat: ChatInput) -> list[int]:
+        """Ids of a chat; the template writes its own special tokens, so none are added."""
+        ids: list[int] = self.tokenizer.encode(self.render(chat), add_special_tokens=False).ids
+        return ids
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of role/content messages."""
+        return self.render(ChatInput.plain(messages, add_generation_prompt))
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """Ids of a chat; the template writes its own special tokens, so none are added."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+        """Ids of role/content messages."""
+        return self.encode_input(ChatInput.plain(messages, add_generation_prompt))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text: str = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -11,6 +11,15 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from prefixgate.tools import (
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    ResponseFormat,
+    ToolCall,
+    ToolChoice,
+    ToolDef,
+)
+
 MAX_N = 16
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text
@@ -159,22 +168,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        """The message's text; only text content parts are supported."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise OpenAIError(
-                    f"content part type {part.type!r} is not supported; send text parts",
-                    param="messages",
-                )
-            texts.append(part.text)
-        return "".join(texts)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -182,6 +177,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's chat-template extras, passed to the template as transformers passes them.
+    documents: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def wants_logprobs(self) -> str | None:
@@ -193,14 +197,6 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as plain dicts for a chat template (``developer`` → ``system``)."""
-        out = []
-        for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
-        return out
 
 
 class CompletionRequest(_SamplingFields):

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from prefixgate.envflags import add_env_flag
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
+from replica.chat_flags import add_chat_flags, apply_chat_template_flag
 from replica.eviction import POLICY_NAMES
 from replica.sim.setup import SIM_MODEL, add_sim_flags, build_sim
 
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body (413)")
     add_http_limit_flags(p)
+    add_chat_flags(p)
     add_sim_flags(p)
     add_env_flag(
         p,
@@ -148,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         # The cache's keys are rooted in the model's name and gateways compute keys from
         # the name clients send: they must be the same string.
         loaded = dataclasses.replace(loaded, name=served_name)
+    try:
+        apply_chat_template_flag(args, loaded.tokenizer)
+    except ValueError as exc:
+        print(f"prefixgate replica: {exc}", file=sys.stderr)
+        return 2
     publisher = None
     if args.redis_url:
         publisher = Publisher(
@@ -187,7 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     metrics = ReplicaMetrics(load=engine.load)
     replica = Replica(
-        loaded, engine, served_name, metrics, publisher, chats=SegmentCache(loaded.tokenizer)
+        loaded,
+        engine,
+        served_name,
+        metrics,
+        publisher,
+        chats=SegmentCache(loaded.tokenizer),
+        tool_call_parser=args.tool_call_parser,
     )
     app = Guard(create_app(replica), guard)
     config = uvicorn.Config(

@@ -6,9 +6,12 @@ raised as an ``OpenAIError`` that names the field and what to fix.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
+from prefixgate.chat_input import chat_input
+from prefixgate.tools import NamedToolChoice, effective_tool_choice
 from prefixgate.wire import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -19,6 +22,8 @@ from replica import openai_format as fmt
 from replica.metrics import ReplicaMetrics
 from replica.request import SamplingParams
 from replica.state import Replica
+
+log = logging.getLogger("prefixgate.replica")
 
 
 @dataclass(slots=True)
@@ -35,6 +40,7 @@ class Job:
     stream: bool
     include_usage: bool
     echo_prefix: str = ""  # completions with echo=true: the prompt text goes first
+    parse_tools: bool = False  # tool choice auto with a parser: tool calls from the text
 
     @property
     def engine_request_id(self) -> str:
@@ -67,9 +73,13 @@ class JobClock:
 def job_from_chat(body: object, replica: Replica) -> Job:
     req = parse_request(ChatCompletionRequest, body)
     model = _check_model(req.model, replica)
-    messages = req.template_messages()
+    parse_tools = _tool_choice(req, replica)
+    _check_response_format(req)
+    chat = chat_input(req)
+    if req.tools and replica.loaded.tokenizer.template_ignores_tools:
+        _warn_tools_ignored(model, replica)
     encoder = replica.chats or replica.loaded.tokenizer
-    prompt_ids = list(encoder.encode_chat(messages, add_generation_prompt=True))
+    prompt_ids = list(encoder.encode_input(chat))
     params = _sampling(req, req.max_new_tokens, len(prompt_ids), replica, "messages")
     return Job(
         chat=True,
@@ -81,6 +91,67 @@ def job_from_chat(body: object, replica: Replica) -> Job:
         salt=req.cache_salt or "",
         stream=req.stream,
         include_usage=req.include_usage,
+        parse_tools=parse_tools,
+    )
+
+
+def _tool_choice(req: ChatCompletionRequest, replica: Replica) -> bool:
+    """Check ``tool_choice`` as vLLM does; True when the answer is parsed for tool calls."""
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise OpenAIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    choice = effective_tool_choice(req.tools, req.tool_choice)
+    if isinstance(choice, NamedToolChoice):
+        names = {tool.function.name for tool in req.tools or ()}
+        if choice.function.name not in names:
+            raise OpenAIError(
+                f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+            )
+    if choice == "none":
+        return False
+    described = (
+        f'function "{choice.function.name}"'
+        if isinstance(choice, NamedToolChoice)
+        else f'"{choice}"'
+    )
+    if replica.tool_call_parser is None:
+        raise OpenAIError(
+            f"tool_choice={described} requires the replica to be started with "
+            "--tool-call-parser hermes (tools are sent without tool_choice: it defaults to "
+            '"auto"); or send tool_choice "none"',
+            param="tool_choice",
+        )
+    if choice != "auto":
+        raise OpenAIError(
+            f"tool_choice={described} needs constrained decoding, which this replica does "
+            'not have; send tool_choice "auto"',
+            param="tool_choice",
+            code="unsupported_value",
+        )
+    return True
+
+
+def _check_response_format(req: ChatCompletionRequest) -> None:
+    """Structured output is refused, never silently ignored: the replica cannot enforce it."""
+    kind = req.response_format.type if req.response_format is not None else "text"
+    if kind != "text":
+        raise OpenAIError(
+            f"response_format {kind!r} is not supported: this replica cannot enforce "
+            "structured output; leave response_format out or send type 'text'",
+            param="response_format",
+            code="unsupported_value",
+        )
+
+
+def _warn_tools_ignored(model: str, replica: Replica) -> None:
+    if model in replica.tools_ignored_warned:
+        return
+    replica.tools_ignored_warned.add(model)
+    log.warning(
+        "model %s: its chat template never reads `tools`, so tool definitions do not reach "
+        "the prompt (as with vLLM); start the replica and the gateway with "
+        "--chat-template FILE to use a tool-aware template",
+        model,
     )
 
 

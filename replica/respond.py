@@ -24,6 +24,7 @@ from replica.handle import RequestHandle
 from replica.jobs import Job, JobClock
 from replica.request import EngineStopped, PromptTooLong, QueueFull, RequestOutput
 from replica.state import Replica
+from replica.tool_output import ToolCallChunks, parsed_message
 
 log = logging.getLogger("prefixgate.replica.server")
 
@@ -128,13 +129,18 @@ def _full_body(job: Job, output: RequestOutput) -> dict[str, Any]:
     ]
     use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
     build = fmt.chat_completion if job.chat else fmt.text_completion
-    return build(job.response_id, job.model, job.created, choices, use)
+    body = build(job.response_id, job.model, job.created, choices, use)
+    if job.parse_tools:
+        for choice, out in zip(body["choices"], output.choices, strict=True):
+            choice["message"], choice["finish_reason"] = parsed_message(out.text, out.finish_reason)
+    return body
 
 
 async def _stream(
     job: Job, handle: RequestHandle, clock: JobClock, replica: Replica
 ) -> AsyncIterator[bytes]:
     finished = False
+    tools = ToolCallChunks(job.response_id, job.model, job.created) if job.parse_tools else None
     try:
         for index in range(job.params.n):
             if job.chat:
@@ -152,6 +158,10 @@ async def _stream(
         async for delta in handle:
             clock.tick(len(delta.token_ids), replica.metrics)
             if not delta.text and delta.finish_reason is None:
+                continue
+            if tools is not None:
+                for tool_chunk in tools.chunks(delta.index, delta.text, delta.finish_reason):
+                    yield fmt.sse(tool_chunk)
                 continue
             if job.chat:
                 chunk = fmt.chat_chunk(

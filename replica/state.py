@@ -7,7 +7,7 @@ it and not on each other.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.segments import SegmentCache
@@ -31,6 +31,11 @@ class Replica:
     # Called once, on the event loop, if the engine thread dies: the CLI stops uvicorn
     # there and exits non-zero so its supervisor restarts the process.
     on_engine_death: Callable[[], None] | None = None
+    # --tool-call-parser (replica.tool_parser.TOOL_CALL_PARSERS); None: tool choices that
+    # need one are refused.
+    tool_call_parser: str | None = None
+    # Models already warned about: their chat template ignores tool definitions.
+    tools_ignored_warned: set[str] = field(default_factory=set)
 
     @property
     def model_ids(self) -> list[str]:

@@ -132,7 +132,7 @@ class Replica:
             w.close()
 
 
-def no_tokenizer(name: str) -> Tokenizer:
+def no_tokenizer(name: str, chat_template: str | None = None) -> Tokenizer:
     raise FileNotFoundError(f"{name}: the tests key prompts by their bytes")
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gateway.routing import KeyBuilder, bytes_as_tokens, prompt_keys
+from prefixgate.chat_input import ChatInput
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest
 from router.protocol import KeySpace, short_key
 
@@ -11,10 +14,8 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(ch) for ch in text]
 
-    def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        return self.encode("|".join(m["content"] for m in messages))
+    def encode_input(self, chat: ChatInput) -> list[int]:
+        return self.encode("|".join(m["content"] for m in chat.messages))
 
 
 def test_prompt_keys_use_the_tokenizer_salt_and_token_ids() -> None:
@@ -38,7 +39,7 @@ def test_prompt_keys_use_the_tokenizer_salt_and_token_ids() -> None:
 def test_key_builder_remembers_a_missing_tokenizer() -> None:
     calls = []
 
-    def loader(name: str) -> FakeTokenizer:
+    def loader(name: str, chat_template: str | None) -> FakeTokenizer:
         calls.append(name)
         raise FileNotFoundError(name)
 
@@ -46,3 +47,24 @@ def test_key_builder_remembers_a_missing_tokenizer() -> None:
     assert builder.tokenizer_for("foreign") is None and builder.tokenizer_for("foreign") is None
     assert calls == ["foreign"]
     assert list(bytes_as_tokens(b"abcdefg")) == [int.from_bytes(b"abcd", "little")]
+
+
+def test_tool_definitions_change_the_keys() -> None:
+    """Two agents with different tool sets never share keys, with or without a tokenizer."""
+    from prefixgate.tokenizer import ChatTokenizer
+
+    messages = [{"role": "user", "content": "z" * 80}]
+    tool = {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}
+    other = {"type": "function", "function": {"name": "b"}}
+    bodies = [
+        {"model": "m", "messages": messages},
+        {"model": "m", "messages": messages, "tools": [tool]},
+        {"model": "m", "messages": messages, "tools": [other]},
+    ]
+    requests = [ChatCompletionRequest.model_validate(b) for b in bodies]
+    template = (Path(__file__).parents[1] / "support" / "tool_template.jinja").read_text()
+    tokenizer = ChatTokenizer.for_model("tiny-random")
+    tokenizer.set_chat_template(template)
+    for tok in (tokenizer, None):
+        all_keys = [tuple(prompt_keys(r, tok, "m", 16, "").keys) for r in requests]
+        assert len(set(all_keys)) == 3, tok

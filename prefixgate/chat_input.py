@@ -1,0 +1,137 @@
+"""What a chat template renders, built from a Chat Completions request as vLLM builds it.
+
+The gateway's keys and the replica's prompt come from the same ``ChatInput``, so they
+agree, and both agree with a vLLM engine serving the same template:
+
+* content: a string as is; a list of parts becomes its text parts joined by ``"\\n"``
+  (vLLM's "string" content format); ``null`` becomes ``""``;
+* assistant ``tool_calls`` are kept, each ``function.arguments`` JSON string decoded to a
+  dict (what tool-use templates expect; invalid JSON or a non-object becomes ``{}``, as
+  vLLM does so that a conversation with one bad call can go on); an empty list is dropped;
+* ``tool_call_id`` on tool messages and ``name`` on any message are kept;
+* ``developer`` is rendered as ``system`` (templates know no developer role);
+* ``tools`` as ``prefixgate.tools.tool_dicts``; ``documents``,
+  ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
+  passed through as transformers' ``apply_chat_template`` passes them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixgate.tools import tool_dicts
+from prefixgate.wire import ChatCompletionRequest, ChatMessage, OpenAIError
+
+# Template variables the request may not set through chat_template_kwargs: the renderer
+# sets them itself.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "chat_template"})
+
+
+@dataclass(slots=True, frozen=True)
+class ChatInput:
+    """Everything a chat template is rendered with, apart from the special tokens."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def plain(cls, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> ChatInput:
+        """Role/content messages with nothing else (benchmarks, tests, tools)."""
+        return cls(messages=messages, add_generation_prompt=add_generation_prompt)
+
+    def variables(self) -> dict[str, Any]:
+        """The template's variables (without special tokens), as transformers sets them:
+        ``chat_template_kwargs`` may override the named ones, as vLLM merges them."""
+        out: dict[str, Any] = {
+            "messages": [dict(m) for m in self.messages],
+            "tools": self.tools,
+            "documents": self.documents,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+        out.update(self.template_kwargs)
+        return out
+
+
+def chat_input(req: ChatCompletionRequest) -> ChatInput:
+    """The request's chat, as the template sees it; a 400 for what cannot be rendered."""
+    if req.add_generation_prompt and req.continue_final_message:
+        raise OpenAIError(
+            "continue_final_message and add_generation_prompt cannot both be true; "
+            "set add_generation_prompt to false to continue the last message",
+            param="continue_final_message",
+        )
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
+    if reserved:
+        raise OpenAIError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}",
+            param="chat_template_kwargs",
+        )
+    return ChatInput(
+        messages=[conversation_message(m) for m in req.messages],
+        tools=tool_dicts(req.tools),
+        documents=req.documents,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=kwargs,
+    )
+
+
+def conversation_message(message: ChatMessage) -> dict[str, Any]:
+    """One message as vLLM hands it to the template."""
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message_text(message)}
+    if message.role == "assistant" and message.tool_calls:
+        out["tool_calls"] = [
+            {
+                **call.model_dump(exclude_none=True),
+                "function": {
+                    **call.function.model_dump(exclude_none=True),
+                    "arguments": decoded_arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.role == "tool" and message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def message_text(message: ChatMessage) -> str:
+    """The content's text: parts joined by newlines; only text parts are supported."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(
+                f"content part type {part.type!r} is not supported; send text parts",
+                param="messages",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def decoded_arguments(arguments: str | dict[str, Any] | None) -> dict[str, Any]:
+    """A tool call's arguments as a dict; ``{}`` for empty, invalid or non-object JSON."""
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments:
+        return {}
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}

@@ -1,0 +1,75 @@
+"""Chat answers with tool calls: the message's ``tool_calls`` and the stream's
+``delta.tool_calls`` chunks, from the model's text through the tool-call parser.
+
+Used only for requests whose tool choice is ``auto`` on a replica started with
+``--tool-call-parser``; every other answer is plain content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from replica import openai_format as fmt
+from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
+
+
+def parsed_message(text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    """A finished choice's ``message`` and finish reason (``tool_calls`` when it called)."""
+    parsed = parse_hermes(text)
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": parsed.content,
+        "tool_calls": [call.as_dict() for call in parsed.calls],
+    }
+    return message, ("tool_calls" if parsed.calls else finish_reason)
+
+
+@dataclass(slots=True)
+class ToolCallChunks:
+    """Per choice: a parser over the streamed text, and the calls sent so far."""
+
+    response_id: str
+    model: str
+    created: int
+    streams: dict[int, HermesStream] = field(default_factory=dict)
+
+    def chunks(self, index: int, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        """The chunks for one delta of choice ``index``."""
+        stream = self.streams.setdefault(index, HermesStream())
+        content, calls = stream.feed(text)
+        if finish_reason is not None:
+            tail, more = stream.finish()
+            content += tail
+            calls = [*calls, *more]
+        out = []
+        if content:
+            out.append(self._chunk(index, content=content))
+        first = len(stream.calls) - len(calls)
+        for offset, call in enumerate(calls):
+            out.append(self._chunk(index, call=call, call_index=first + offset))
+        if finish_reason is not None:
+            reason = "tool_calls" if stream.calls else finish_reason
+            out.append(self._chunk(index, finish_reason=reason))
+        return out
+
+    def _chunk(
+        self,
+        index: int,
+        *,
+        content: str | None = None,
+        call: ParsedCall | None = None,
+        call_index: int = 0,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        chunk = fmt.chat_chunk(
+            self.response_id,
+            self.model,
+            self.created,
+            index,
+            content=content,
+            finish_reason=finish_reason,
+        )
+        if call is not None:
+            chunk["choices"][0]["delta"]["tool_calls"] = [call.as_dict(call_index)]
+        return chunk

@@ -1,0 +1,218 @@
+"""Agents through a real gateway and two real tiny-random replicas (tool-aware template,
+Hermes tool-call parser, scripted token draw: tests/support/scripted_replica.py), driven
+by the official openai client: a full tool loop on one replica with cached tokens, the
+gateway's keys with tools equal to the replica's, tool choices and structured output
+refused clearly."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+from openai.types.chat import ChatCompletionFunctionToolParam
+
+from prefixgate.chat_input import chat_input
+from prefixgate.procs import free_port
+from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.wire import ChatCompletionRequest
+from router.protocol import BlockEvent, KeySpace, events_stream_key, short_key
+from tests.conftest import RedisServer, wait_until
+from tests.gateway.conftest import Server, start, start_gateway
+from tests.support.scripted_replica import ANSWER
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = "tiny-random"
+TEMPLATE = Path(__file__).parents[1] / "support" / "tool_template.jinja"
+WEATHER: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+CLOCK: ChatCompletionFunctionToolParam = {
+    "type": "function",
+    "function": {"name": "now", "parameters": {}},
+}
+
+
+def start_scripted(root: Path, name: str, redis_url: str, replica_id: str) -> Server:
+    port = free_port()
+    args = [
+        "-m", "tests.support.scripted_replica", "--model", MODEL, "--port", str(port),
+        "--num-blocks", "512", "--redis-url", redis_url, "--replica-id", replica_id,
+        "--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes",
+    ]  # fmt: skip
+    return start(args, port, root, name)
+
+
+class Cluster:
+    def __init__(self, root: Path, redis_url: str) -> None:
+        self.replicas = [start_scripted(root, f"r{i}", redis_url, f"r{i}") for i in range(2)]
+        self.gateway = start_gateway(
+            root,
+            "gw",
+            [r.url for r in self.replicas],
+            "--redis-url",
+            redis_url,
+            "--chat-template",
+            f"{MODEL}={TEMPLATE}",
+        )
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key="x", max_retries=0)
+
+    def stop(self) -> None:
+        for server in [self.gateway, *self.replicas]:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer
+) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("agents"), module_redis.url)
+    yield c
+    c.stop()
+
+
+def _cached(usage: Any) -> int:
+    details = usage.prompt_tokens_details
+    return int(details.cached_tokens or 0) if details is not None else 0
+
+
+def test_chat_tool_loop_stays_on_one_replica_and_hits_its_cache(cluster: Cluster) -> None:
+    c = cluster.client()
+    messages: list[Any] = [
+        {"role": "system", "content": f"You are a weather agent. Session {time.time()}."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    first = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=64
+    )
+    call_turn = first.parse()
+    choice = call_turn.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1
+    call = calls[0]
+    assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    assert choice.message.content is None
+
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "sunny"}'},
+    ]
+    second = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=64
+    )
+    answer = second.parse()
+    assert answer.choices[0].message.content == ANSWER
+    assert answer.choices[0].finish_reason == "stop"
+    assert not answer.choices[0].message.tool_calls
+    replica = first.headers["x-prefixgate-replica"]
+    assert second.headers["x-prefixgate-replica"] == replica
+    assert answer.usage is not None and call_turn.usage is not None
+    # the whole first prompt (tools, system, question) came from the cache, bar a partial block
+    assert _cached(answer.usage) >= call_turn.usage.prompt_tokens - 16 > 0
+
+
+def test_streamed_tool_calls_arrive_as_delta_tool_calls(cluster: Cluster) -> None:
+    stream = cluster.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "weather please, streamed"}],
+        tools=[WEATHER],
+        max_tokens=64,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    content, names, arguments, ids, finish = "", "", "", set(), None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tool_call in delta.tool_calls or []:
+            assert tool_call.index == 0
+            if tool_call.id:
+                ids.add(tool_call.id)
+            assert tool_call.function is not None
+            names += tool_call.function.name or ""
+            arguments += tool_call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    assert names == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+    assert len(ids) == 1
+
+
+def test_gateway_keys_with_tools_equal_the_replica_keys(
+    cluster: Cluster, module_redis: RedisServer
+) -> None:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"keys with tools {time.time()}"}],
+        "tools": [WEATHER],
+    }
+    raw = cluster.client().chat.completions.with_raw_response.create(**body, max_tokens=1)
+    replica = raw.headers["x-prefixgate-replica"]
+    tokenizer = ChatTokenizer.for_model(MODEL)
+    tokenizer.set_chat_template(TEMPLATE.read_text())
+    ids = tokenizer.encode_input(chat_input(ChatCompletionRequest.model_validate(body)))
+    expected = [short_key(k) for k in KeySpace(MODEL, 16, "").keys(ids)]
+    without_tools = tokenizer.encode_chat(body["messages"])
+    assert len(ids) > len(without_tools) + 50  # the definitions are in the prompt
+    matched = raw.headers["x-prefixgate-route"].split("matched=")[1].split(";")[0]
+    assert matched.endswith(f"/{len(expected)}")
+    r = redis.Redis.from_url(module_redis.url)
+
+    def stored() -> set[bytes]:
+        keys: set[bytes] = set()
+        for _, fields in r.xrange(events_stream_key(replica)) or []:
+            event = BlockEvent.decode(fields)  # type: ignore[arg-type]
+            if event.type == "stored":
+                keys.update(event.keys)
+        return keys
+
+    wait_until(lambda: set(expected) <= stored(), what=f"{replica} storing the gateway's keys")
+
+
+def test_choices_that_cannot_be_honoured_are_400s(cluster: Cluster) -> None:
+    c = cluster.client()
+    messages: list[Any] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        c.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required"
+        )
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    with pytest.raises(openai.BadRequestError, match="`tools` must be set"):
+        c.chat.completions.create(model=MODEL, messages=messages, tool_choice="auto")
+    with pytest.raises(openai.BadRequestError, match="cannot enforce structured output"):
+        c.chat.completions.create(
+            model=MODEL, messages=messages, response_format={"type": "json_object"}
+        )
+    plain = c.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=64
+    )
+    # tool choice none: the call the model writes stays text
+    assert plain.choices[0].finish_reason == "stop"
+    assert "<tool_call>" in (plain.choices[0].message.content or "")
