@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         advertise_url,
         args.redis_url or "off",
     )
-    metrics = ReplicaMetrics(load=engine.load)
+    metrics = ReplicaMetrics(load=engine.load, cache=engine.cache_stats)
     replica = Replica(
         loaded,
         engine,

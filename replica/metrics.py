@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from replica.cache_types import CacheStats
 from router.protocol import ReplicaLoad
 
 P = "prefixgate:"
@@ -54,11 +55,54 @@ class _LoadCollector(Collector):
         )
 
 
+class _TierCollector(Collector):
+    """Blocks, hit tokens and copies per KV tier (device, host), from the cache's stats
+    as of the engine's last step, read when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], CacheStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        blocks = GaugeMetricFamily(
+            P + "kv_tier_blocks", "KV blocks per tier: total and holding cached prefixes.",
+            labels=["tier", "state"],
+        )  # fmt: skip
+        blocks.add_metric(["device", "total"], s.total_blocks)
+        blocks.add_metric(["device", "cached"], s.cached_blocks)
+        blocks.add_metric(["host", "total"], s.host_total_blocks)
+        blocks.add_metric(["host", "cached"], s.host_cached_blocks)
+        yield blocks
+        hits = CounterMetricFamily(
+            P + "prefix_cache_tier_hits",
+            "Prompt tokens found cached, by the tier they were found in.",
+            labels=["tier"],
+        )
+        hits.add_metric(["device"], s.device_hit_tokens)
+        hits.add_metric(["host"], s.host_hit_tokens)
+        yield hits
+        moved = CounterMetricFamily(
+            P + "kv_tier_moved_bytes",
+            "KV bytes copied between tiers (to_host: demoted, to_device: promoted).",
+            labels=["direction"],
+        )
+        moved.add_metric(["to_host"], s.bytes_to_host)
+        moved.add_metric(["to_device"], s.bytes_to_device)
+        yield moved
+        moves = CounterMetricFamily(
+            P + "kv_tier_moved_blocks", "KV blocks copied between tiers.", labels=["direction"]
+        )
+        moves.add_metric(["to_host"], s.demotions)
+        moves.add_metric(["to_device"], s.promotions)
+        yield moves
+
+
 @dataclass(slots=True)
 class ReplicaMetrics:
     """The replica's counters and histograms, registered in ``registry``."""
 
     load: Callable[[], ReplicaLoad]
+    cache: Callable[[], CacheStats] | None = None  # per-tier gauges and counters when given
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     prompt_tokens: Counter = field(init=False)
     generation_tokens: Counter = field(init=False)
@@ -124,6 +168,8 @@ class ReplicaMetrics:
             registry=r,
         )
         r.register(_LoadCollector(self.load))
+        if self.cache is not None:
+            r.register(_TierCollector(self.cache))
 
     def observe_finished(
         self,
