@@ -256,8 +256,13 @@ async def lag_reader(redis_url: str, replica_ids: list[str], lags: list[float]) 
         await client.aclose()
 
 
-async def reset_caches(engine_urls: list[str], redis_url: str, replica_ids: list[str]) -> None:
-    """Empty every engine's prefix cache and wait until each bridge published ``cleared``."""
+async def reset_caches(
+    engine_urls: list[str], redis_url: str, replica_ids: list[str], model: str
+) -> None:
+    """Empty every engine's prefix cache and wait until each bridge published ``cleared``.
+
+    vLLM sends the reset's ``AllBlocksCleared`` with its next scheduler step, so each
+    engine gets a one-token request (shorter than a block: it caches nothing) to step."""
     client = aioredis.from_url(redis_url)
     try:
         last = {}
@@ -267,6 +272,8 @@ async def reset_caches(engine_urls: list[str], redis_url: str, replica_ids: list
         async with httpx.AsyncClient(timeout=60) as http:
             for url in engine_urls:
                 (await http.post(f"{url}/reset_prefix_cache")).raise_for_status()
+                nudge = {"model": model, "prompt": "hi", "max_tokens": 1}
+                (await http.post(f"{url}/v1/completions", json=nudge)).raise_for_status()
         deadline = time.monotonic() + 60
         pending = set(replica_ids)
         while pending and time.monotonic() < deadline:
@@ -300,7 +307,7 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         await wait_ready(f"http://127.0.0.1:{rr_port}/ready?min_replicas={args.replicas}", 120)
         gateways = {"cache_aware": args.port, "round_robin": rr_port}
         for policy, port in gateways.items():
-            await reset_caches(engine_urls, redis_url, replica_ids)
+            await reset_caches(engine_urls, redis_url, replica_ids, args.model)
             base = f"http://127.0.0.1:{port}"
             rng = random.Random(args.seed)
             chats = chat_workload(rng, args.conversations, args.turns)
