@@ -42,7 +42,7 @@ from loadtest.workloads import Session
 from replica.prefix_cache import CacheFull, PrefixCache
 from router.config import RouterConfig
 from router.load import InFlight
-from router.protocol import BlockEvent, block_keys, root_key, short_key
+from router.protocol import BlockEvent, Medium, block_keys, root_key, short_key
 from router.router import Router
 
 MODEL_ID = "sim"
@@ -116,18 +116,25 @@ class _Listener:
     def __init__(self, router: Router, replica_id: str) -> None:
         self.router, self.replica_id, self.seq = router, replica_id, 0
 
-    def _send(self, event_type: str, keys: Sequence[bytes], parent: bytes | None = None) -> None:
+    def _send(
+        self,
+        event_type: str,
+        keys: Sequence[bytes],
+        parent: bytes | None = None,
+        medium: Medium = "device",
+    ) -> None:
         self.seq += 1
         event = BlockEvent(
             self.seq,
             event_type,  # type: ignore[arg-type]
             tuple(short_key(k) for k in keys),
             short_key(parent) if parent is not None else None,
+            medium,
         )
         assert self.router.apply_event(self.replica_id, event)
 
-    def on_stored(self, parent: bytes | None, keys: list[bytes]) -> None:
-        self._send("stored", keys, parent)
+    def on_stored(self, parent: bytes | None, keys: list[bytes], medium: Medium = "device") -> None:
+        self._send("stored", keys, parent, medium)
 
     def on_removed(self, keys: list[bytes]) -> None:
         self._send("removed", keys)

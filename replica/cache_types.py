@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol
 
+from router.protocol import Medium
+
 # (parent key, block bytes) -> key; router.protocol.chain_key unless a test weakens it.
 KeyFn = Callable[[bytes, bytes], bytes]
 
@@ -87,7 +89,10 @@ class CacheStats:
 class CacheListener(Protocol):
     """Told about full blocks entering and leaving the index (the Redis publisher)."""
 
-    def on_stored(self, parent: bytes | None, keys: list[bytes]) -> None: ...
+    def on_stored(self, parent: bytes | None, keys: list[bytes], medium: Medium = "device") -> None:
+        """Keys stored in ``medium``; with a host tier also a key that moved there
+        ("host": demoted, "device": promoted back)."""
+
     def on_removed(self, keys: list[bytes]) -> None: ...
     def on_cleared(self) -> None: ...
 

@@ -44,7 +44,14 @@ from replica.cache_types import (
 from replica.content_index import ContentIndex
 from replica.eviction import EvictionPolicy, make_policy
 from replica.host_tier import BlockMover, HostTier
-from router.protocol import DEFAULT_BLOCK_SIZE, SnapshotBlock, chain_key, encode_tokens, root_key
+from router.protocol import (
+    DEFAULT_BLOCK_SIZE,
+    Medium,
+    SnapshotBlock,
+    chain_key,
+    encode_tokens,
+    root_key,
+)
 
 __all__ = [
     "CacheFull",
@@ -173,6 +180,7 @@ class PrefixCache:
             refs[src] = 0
             host.give_back(src)
             ids[i] = dst
+            self._emit_moved(dst, "device")
         self._stats.promotions += k
         cached = match.cached_tokens
         if k < len(on_host):
@@ -197,11 +205,12 @@ class PrefixCache:
         pop_free = self._free.popitem
         out = [pop_free(last=False)[0] for _ in range(min(n, free))]
         removed: list[bytes] = []
+        demoted: list[int] = []  # host ids that received a block
         evict = n - len(out)
         for _ in range(evict):
             victim = self._policy.pop()
             self._idle_since.pop(victim, None)
-            if not self._demote(victim, removed):
+            if not self._demote(victim, removed, demoted):
                 key = self._drop_content(victim)
                 if key is not None:
                     removed.append(key)
@@ -213,6 +222,8 @@ class PrefixCache:
         self._pinned += n
         if removed and self._listener is not None:
             self._listener.on_removed(removed)
+        for host_id in demoted:
+            self._emit_moved(host_id, "host")
         return out
 
     def pin(self, block_ids: Sequence[int]) -> None:
@@ -338,6 +349,7 @@ class PrefixCache:
                     assert self._host is not None
                     self._index.move(holder, block_id)
                     self._host.give_back(holder)
+                    self._emit_moved(block_id, "device")
                 return key, other.uid, False  # same KV already cached: ours stays unindexed
             if self._refs[holder] > 0:
                 return None  # a pinned colliding/orphaned block: leave it, stop here
@@ -375,10 +387,10 @@ class PrefixCache:
     def _on_idle_host(self, block_id: int) -> bool:
         return self._host is not None and self._host.holds(block_id) and not self._refs[block_id]
 
-    def _demote(self, victim: int, removed: list[bytes]) -> bool:
+    def _demote(self, victim: int, removed: list[bytes], demoted: list[int]) -> bool:
         """Move an evicted device block's content to the host tier (dropping the host's
-        oldest idle block when it is full, its key into ``removed``); False when there
-        is no host tier or every host block is held."""
+        oldest idle block when it is full, its key into ``removed``; the host id into
+        ``demoted``); False when there is no host tier or every host block is held."""
         host, mover = self._host, self._mover
         if host is None or mover is None or not host.can_take:
             return False
@@ -392,8 +404,17 @@ class PrefixCache:
         mover.demote(victim, host.slot(slot))
         self._index.move(victim, slot)
         host.push(slot)
+        demoted.append(slot)
         self._stats.demotions += 1
         return True
+
+    def _emit_moved(self, block_id: int, medium: Medium) -> None:
+        """Tell the listener a full block's key now lives in ``medium``."""
+        content = self._contents[block_id]
+        if self._listener is None or content is None or content.key is None:
+            return
+        parent = content.prev if content.depth else None
+        self._listener.on_stored(parent, [content.key], medium=medium)
 
     def _evict_now(self, block_id: int) -> None:
         """Drop an idle cached block out of order (commit replaces it) to the free list."""
@@ -488,6 +509,15 @@ class PrefixCache:
             bytes_to_host=s.demotions * block_bytes,
             bytes_to_device=s.promotions * block_bytes,
         )
+
+    def keys_by_tier(self) -> tuple[set[bytes], set[bytes]]:
+        """Full keys of the cached full blocks: (on the device, on the host). O(cache)."""
+        device: set[bytes] = set()
+        host: set[bytes] = set()
+        for block_id, content in enumerate(self._contents):
+            if content is not None and content.key is not None:
+                (host if block_id >= self._num_blocks else device).add(content.key)
+        return device, host
 
     def snapshot(self) -> list[SnapshotBlock]:
         """Every reachable full block as (short parent key | None, short key), parents

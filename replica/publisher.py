@@ -38,6 +38,7 @@ from router.backoff import Backoff
 from router.protocol import (
     REPLICAS_SET,
     BlockEvent,
+    Medium,
     ReplicaInfo,
     ReplicaLoad,
     SnapshotBlock,
@@ -107,7 +108,9 @@ class Publisher:
 
     # ------------------------------------------------------------- engine thread (listener)
 
-    def on_stored(self, parent: bytes | None, keys: list[bytes]) -> None:
+    def on_stored(self, parent: bytes | None, keys: list[bytes], medium: Medium = "device") -> None:
+        """``medium``: the tier they are stored in (a demotion or promotion is a
+        ``stored`` event in the tier the keys moved to)."""
         if not keys:
             return
         shorts = tuple(short_key(k) for k in keys)
@@ -117,7 +120,8 @@ class Publisher:
             for k in shorts:
                 self._mirror[k] = prev
                 prev = k
-            self._enqueue(BlockEvent(self._next_seq(), "stored", shorts, first_parent))
+            event = BlockEvent(self._next_seq(), "stored", shorts, first_parent, medium)
+            self._enqueue(event)
 
     def on_removed(self, keys: list[bytes]) -> None:
         if not keys:

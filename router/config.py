@@ -24,6 +24,10 @@ class RouterConfig:
     queue_cap: float = 4.0
     """Safety cap: a replica whose queued prefill tokens exceed this × (the other
     replicas' mean queue + the prompt's tokens) is not chosen while another is."""
+    swap_in_token_cost: float = 0.1
+    """A matched token on a replica's host KV tier is copied back, not computed: it
+    counts as this many prefill tokens (a PCIe copy of a token's KV against its
+    prefill; the replica's scheduler charges its step budget the same)."""
 
     # --- consistent_hash -----------------------------------------------------------
     load_slack: float = 0.5
@@ -78,6 +82,8 @@ class RouterConfig:
             raise ValueError("max_deferred_inserts must be at least 1")
         if self.breaker_failures < 1:
             raise ValueError("breaker_failures must be at least 1")
+        if not self.swap_in_token_cost >= 0:
+            raise ValueError("swap_in_token_cost must be >= 0")
 
 
 def with_options(config: RouterConfig, options: list[str]) -> RouterConfig:

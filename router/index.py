@@ -22,6 +22,12 @@ few blocks per insert, never as a walk over the tree.
 Optimistic (tentative) inserts sit in a per-replica dict ``key -> deadline`` in
 deadline order until an event confirms them or ``expire`` drops them.
 
+Tiers: a replica with a host-memory KV tier reports where each block lives (the event's
+``medium``). The index keeps, per replica, the set of its keys held on the host (an
+untracked ``key -> None`` dict, empty for replicas without the tier); every other held
+key is on the device. ``host_blocks`` counts a match's host blocks, which the cost model
+prices as a copy instead of as free.
+
 The router's own optimistic insert (one per routing decision) can be deferred:
 ``insert_later`` ORs the replica's bit into a small overlay ``key -> bits`` that
 ``lookup`` consults, and ``fold`` (called by any update, by the router after a request,
@@ -38,6 +44,7 @@ from operator import or_, truth
 from typing import NamedTuple
 
 from router.lru import BlockLRU
+from router.protocol import Medium
 
 
 @dataclass(slots=True)
@@ -45,6 +52,7 @@ class _ReplicaBlocks:
     slot: int
     lru: BlockLRU
     tentative: dict[bytes, float] = field(default_factory=dict)  # untracked: bytes -> float
+    host: dict[bytes, None] = field(default_factory=dict)  # held on the host tier (untracked)
 
 
 class _Pending(NamedTuple):
@@ -110,16 +118,31 @@ class PrefixIndex:
     # ----------------------------------------------------------------------- updates
 
     def insert(
-        self, replica_id: str, keys: Sequence[bytes], *, tentative_until: float | None = None
+        self,
+        replica_id: str,
+        keys: Sequence[bytes],
+        *,
+        tentative_until: float | None = None,
+        medium: Medium = "device",
     ) -> None:
         """Record that the replica holds the chain ``keys`` (first key = shallowest).
 
         ``tentative_until``: an optimistic insert, dropped by ``expire`` after that time
         unless a confirming insert (``tentative_until=None``) comes first. Blocks already
         confirmed stay confirmed; blocks already tentative keep their first deadline.
+        ``medium``: the tier they are in now (a key stored in the other tier moved).
         """
         self.fold()
         self._insert_now(replica_id, keys, tentative_until)
+        blocks = self._replicas[replica_id]
+        host = blocks.host
+        if medium == "host":
+            for key in keys:
+                if key in blocks.lru:  # (a tiny cap may have evicted it already)
+                    host[key] = None
+        elif host:
+            for key in keys:
+                host.pop(key, None)
 
     def insert_later(
         self, replica_id: str, keys: Sequence[bytes], tentative_until: float, *, held: int = 0
@@ -175,10 +198,11 @@ class PrefixIndex:
         while len(lru) > self.max_blocks_per_replica:
             key = lru.evict()
             tentative.pop(key, None)
+            blocks.host.pop(key, None)
             self._unset(key, bit)
 
     def remove(self, replica_id: str, keys: Iterable[bytes]) -> None:
-        """The replica no longer holds ``keys`` (unknown keys are ignored)."""
+        """The replica no longer holds ``keys`` in any tier (unknown keys are ignored)."""
         self.fold()
         blocks = self._replicas.get(replica_id)
         if blocks is None:
@@ -187,6 +211,7 @@ class PrefixIndex:
         for key in keys:
             if blocks.lru.discard(key):
                 blocks.tentative.pop(key, None)
+                blocks.host.pop(key, None)
                 self._unset(key, bit)
 
     def clear(self, replica_id: str) -> None:
@@ -200,6 +225,7 @@ class PrefixIndex:
             self._unset(key, bit)
         blocks.lru.clear()
         blocks.tentative.clear()
+        blocks.host.clear()
 
     def expire(self, replica_id: str, now: float) -> int:
         """Drop the replica's optimistic inserts whose deadline passed; returns how many."""
@@ -270,6 +296,15 @@ class PrefixIndex:
         owner = self._slot_owner
         return {owner[slot]: d for slot, d in depth_by_slot.items()}  # type: ignore[misc]
 
+    def host_blocks(self, replica_id: str, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` (a match's leading keys) the replica holds on its host
+        tier. O(1) for a replica with nothing there."""
+        blocks = self._replicas.get(replica_id)
+        if blocks is None or not blocks.host:
+            return 0
+        host = blocks.host
+        return sum(1 for key in keys if key in host)
+
     def holds(self, replica_id: str, key: bytes) -> bool:
         self.fold()
         blocks = self._replicas.get(replica_id)
@@ -302,6 +337,8 @@ class PrefixIndex:
                 assert self._nodes[key] & bit, "LRU entry without its node bit"
             for key in blocks.tentative:
                 assert key in blocks.lru, "tentative block not held"
+            for key in blocks.host:
+                assert key in blocks.lru, "host-tier block not held"
             holdings += len(blocks.lru)
         live = sum(1 << b.slot for b in self._replicas.values())
         assert sum(m.bit_count() for m in self._nodes.values()) == holdings

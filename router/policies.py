@@ -28,11 +28,14 @@ class Candidate(NamedTuple):
     uncached: int = 0  # tokens of this request it would have to compute
     cost: float = 0.0  # its prefill seconds per token (learned, router/cost.py)
     decode_tokens: int = 0  # decode pressure: prefill tokens each request there counts as
+    # Matched tokens on its host KV tier x their copy cost, in prefill tokens.
+    swap_tokens: float = 0.0
 
     @property
     def predicted_s(self) -> float:
         """Predicted time to first token there (the cost model, ``CacheAware``)."""
-        return (self.queued + self.uncached + self.load * self.decode_tokens) * self.cost
+        work = self.queued + self.uncached + self.swap_tokens + self.load * self.decode_tokens
+        return work * self.cost
 
 
 class RouteInput(NamedTuple):
@@ -156,12 +159,14 @@ class CacheAware(Policy):
 
     For each candidate replica r (healthy, serving the model, not excluded):
 
-        predicted TTFT(r) = (queued(r) + uncached(r) + load(r) × decode) × cost(r)
+        predicted TTFT(r) = (queued(r) + uncached(r) + swap(r) + load(r) × decode) × cost(r)
 
     * ``queued(r)``: prefill tokens already waiting or running there (this gateway's
       routed requests until their first byte, plus what other gateways had there at the
       replica's last heartbeat; router/load.py);
     * ``uncached(r)``: this request's prompt tokens beyond its prefix cached there;
+    * ``swap(r)``: the matched tokens on its host KV tier × ``swap_in_token_cost`` (they
+      are copied back to the device, not computed);
     * ``load(r) × decode``: decode pressure, each request in flight there counted as
       ``decode_tokens_per_request`` prefill tokens (its decode steps share the
       replica's forward passes with the next prefill);
@@ -208,7 +213,8 @@ class CacheAware(Policy):
         best = cheapest = math.inf
         longest = candidates[0]
         for c in candidates:
-            predicted[c.replica_id] = (c.queued + c.uncached + c.load * c.decode_tokens) * c.cost
+            work = c.queued + c.uncached + c.swap_tokens + c.load * c.decode_tokens
+            predicted[c.replica_id] = work * c.cost
             score[c.replica_id] = predicted[c.replica_id] + weight * c.uncached * c.cost
             if c.matched > longest.matched:
                 longest = c

@@ -184,6 +184,9 @@ class ReplicaInfo:
 # --------------------------------------------------------------------------- block events
 
 EventType = Literal["stored", "removed", "cleared"]
+# Where a block's KV lives on the replica (vLLM's ``medium``: GPU -> device, CPU -> host).
+Medium = Literal["device", "host"]
+MEDIA: tuple[Medium, ...] = ("device", "host")
 
 
 @dataclass(slots=True, frozen=True)
@@ -194,12 +197,18 @@ class BlockEvent:
     child of ``parent`` (None: a chain that starts at the root). ``removed``: ``keys``
     left the cache (any order). ``cleared``: the whole cache was dropped (no keys).
     Keys are short (16-byte) keys.
+
+    ``medium``: the tier the keys are stored in or removed from. A ``stored`` event in
+    ``host`` for keys held on the device says they moved there (demoted); one in
+    ``device`` for keys on the host, that they came back (promoted). On the wire the
+    field is left out for ``device``, so events from before tiers decode as device.
     """
 
     seq: int
     type: EventType
     keys: tuple[bytes, ...] = ()
     parent: bytes | None = None
+    medium: Medium = "device"
 
     def encode(self) -> dict[str, str]:
         """Fields for XADD. Keys as one hex string (32 hex chars per key)."""
@@ -207,6 +216,8 @@ class BlockEvent:
         fields = {"seq": str(self.seq), "type": self.type, "keys": b"".join(self.keys).hex()}
         if self.parent is not None:
             fields["parent"] = self.parent.hex()
+        if self.medium != "device":
+            fields["medium"] = self.medium
         return fields
 
     @classmethod
@@ -220,7 +231,10 @@ class BlockEvent:
             raise ValueError("block event keys are not a whole number of 16-byte keys")
         keys = tuple(raw[i : i + SHORT_KEY_BYTES] for i in range(0, len(raw), SHORT_KEY_BYTES))
         parent = bytes.fromhex(f["parent"]) if f.get("parent") else None
-        return cls(seq=int(f["seq"]), type=event_type, keys=keys, parent=parent)  # type: ignore[arg-type]
+        medium = f.get("medium", "device")
+        if medium not in MEDIA:
+            raise ValueError(f"unknown block event medium {medium!r}")
+        return cls(seq=int(f["seq"]), type=event_type, keys=keys, parent=parent, medium=medium)  # type: ignore[arg-type]
 
 
 def _check_short(keys: Iterable[bytes]) -> None:

@@ -225,6 +225,7 @@ class Router:
         matches = index.depths(index.lookup(short))
         prior = self.cluster_cost.s_per_token
         decode = self.config.decode_tokens_per_request
+        swap = self.config.swap_in_token_cost
         candidates = []
         for v in views:
             matched = matches.get(v.replica_id, 0)
@@ -238,6 +239,9 @@ class Router:
                     max(1, length - matched * v.block_size),  # at least one token computed
                     v.cost.s_per_token if v.cost.samples else prior,
                     decode,
+                    swap * index.host_blocks(v.replica_id, short[:matched]) * v.block_size
+                    if matched
+                    else 0.0,
                 )
             )
         request = RouteInput(
@@ -363,7 +367,7 @@ class Router:
                 self._resyncs += 1
                 return False
         if event.type == "stored":
-            self.index.insert(replica_id, event.keys)
+            self.index.insert(replica_id, event.keys, medium=event.medium)
         elif event.type == "removed":
             self.index.remove(replica_id, event.keys)
         else:

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from replica.host_tier import BlockMover
-from replica.prefix_cache import PrefixMatch
+from replica.prefix_cache import CacheListener, PrefixMatch
+from router.index import PrefixIndex
+from router.protocol import Medium, short_key
 from tests.replica.test_prefix_cache_state import (
     NUM_BLOCKS,
     PrefixCacheMachine,
@@ -50,8 +52,28 @@ class ModelMover:
         self.promoted += 1
 
 
+class IndexFeed:
+    """The cache's events, as a router's index folds them in (router.index)."""
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex()
+
+    def on_stored(self, parent: bytes | None, keys: list[bytes], medium: Medium = "device") -> None:
+        self.index.insert("r", [short_key(k) for k in keys], medium=medium)
+
+    def on_removed(self, keys: list[bytes]) -> None:
+        self.index.remove("r", [short_key(k) for k in keys])
+
+    def on_cleared(self) -> None:
+        self.index.clear("r")
+
+
 class TwoTierMachine(PrefixCacheMachine):
     host_blocks = 6
+
+    def make_listener(self) -> CacheListener | None:
+        self.feed = IndexFeed()
+        return self.feed
 
     def make_mover(self) -> BlockMover | None:
         self.finished: list[tuple[list[int], str]] = []
@@ -122,6 +144,18 @@ class TwoTierMachine(PrefixCacheMachine):
         blocks = self.allocate(max(NUM_BLOCKS - len(self.held()) - keep, 0))
         if blocks:
             self.release(blocks)
+
+    @invariant()
+    def router_sees_the_tiers(self) -> None:
+        """A router fed the events holds exactly the cached keys, with their tiers."""
+        device, host = self.cache.keys_by_tier()
+        shorts = [short_key(k) for k in device | host]
+        host_shorts = [short_key(k) for k in host]
+        index = self.feed.index
+        assert index.blocks("r") == len(shorts)
+        assert all(index.holds("r", k) for k in shorts)
+        assert index.host_blocks("r", shorts) == index.host_blocks("r", host_shorts)
+        assert index.host_blocks("r", host_shorts) == len(host_shorts)
 
     @invariant()
     def tiers(self) -> None:

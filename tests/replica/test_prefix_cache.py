@@ -8,7 +8,7 @@ import random
 import pytest
 
 from replica.prefix_cache import CacheFull, CacheStats, PrefixCache, PrefixMatch
-from router.protocol import KeySpace, SnapshotBlock, short_key
+from router.protocol import KeySpace, Medium, SnapshotBlock, short_key
 
 B = 4
 
@@ -21,7 +21,7 @@ class Recorder:
         self.removed: list[bytes] = []
         self.cleared = 0
 
-    def on_stored(self, parent: bytes | None, keys: list[bytes]) -> None:
+    def on_stored(self, parent: bytes | None, keys: list[bytes], medium: Medium = "device") -> None:
         self.stored.append((parent, list(keys)))
 
     def on_removed(self, keys: list[bytes]) -> None:

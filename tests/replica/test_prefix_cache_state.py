@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from replica.host_tier import BlockMover
-from replica.prefix_cache import CacheFull, KeyFn, PrefixCache, PrefixMatch
+from replica.prefix_cache import CacheFull, CacheListener, KeyFn, PrefixCache, PrefixMatch
 
 B = 4
 NUM_BLOCKS = 12
@@ -63,9 +63,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             key_fn=type(self).key_fn,
             host_blocks=self.host_blocks,
             mover=self.make_mover(),
+            listener=self.make_listener(),
         )
 
     def make_mover(self) -> BlockMover | None:
+        return None
+
+    def make_listener(self) -> CacheListener | None:
         return None
 
     def lookup(self, tokens: list[int], salt: str) -> PrefixMatch:
