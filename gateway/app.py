@@ -29,6 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.metrics import GatewayMetrics
 from gateway.probes import add_static_replicas, learn_static_models, probe_all, probe_loop
+from gateway.responses import add_response_routes
 from gateway.routing import KeyBuilder
 from gateway.state import GatewayState
 from gateway.upstream import Upstream
@@ -86,6 +87,7 @@ def create_app(
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
     _add_routes(app)
+    add_response_routes(app)
     return GatewayApp(state, app)
 
 

@@ -27,6 +27,7 @@ from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
 from replica.jobs import job_from_chat, job_from_completion
 from replica.respond import run_job
+from replica.responses import add_response_routes
 from replica.state import Replica
 
 log = logging.getLogger("prefixgate.replica.server")
@@ -164,6 +165,7 @@ def create_app(replica: Replica) -> FastAPI:
         job = job_from_completion(body, replica)
         return await run_job(job, request, replica)
 
+    add_response_routes(app, replica)
     return app
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from prefixgate.segments import SegmentCache
 from replica.metrics import ReplicaMetrics
 from replica.publisher import Publisher
+from replica.response_store import ResponseStore
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class Replica:
     tool_call_parser: str | None = None
     # Models already warned about: their chat template ignores tool definitions.
     tools_ignored_warned: set[str] = field(default_factory=set)
+    # Responses API: stored responses (previous_response_id, GET/DELETE by id).
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
     @property
     def model_ids(self) -> list[str]:

@@ -16,6 +16,7 @@ import openai
 import pytest
 import redis
 from openai.types.chat import ChatCompletionFunctionToolParam
+from openai.types.responses import FunctionToolParam
 
 from prefixgate.chat_input import chat_input
 from prefixgate.procs import free_port
@@ -216,3 +217,108 @@ def test_choices_that_cannot_be_honoured_are_400s(cluster: Cluster) -> None:
     # tool choice none: the call the model writes stays text
     assert plain.choices[0].finish_reason == "stop"
     assert "<tool_call>" in (plain.choices[0].message.content or "")
+
+
+RESPONSES_TOOL: FunctionToolParam = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "strict": False,
+}
+
+
+def test_responses_tool_loop_stays_on_the_replica_that_stored_it(
+    cluster: Cluster, module_redis: RedisServer
+) -> None:
+    c = cluster.client()
+    instructions = f"You are a weather agent. Session {time.time()}."
+    first = c.responses.with_raw_response.create(
+        model=MODEL,
+        instructions=instructions,
+        input="What is the weather in Paris?",
+        tools=[RESPONSES_TOOL],
+        max_output_tokens=64,
+    )
+    called = first.parse()
+    replica = first.headers["x-prefixgate-replica"]
+    assert called.status == "completed" and called.id.startswith("resp_")
+    (item,) = called.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert json.loads(item.arguments) == {"city": "Paris"}
+    shared: Any = redis.Redis.from_url(module_redis.url).get(f"prefixgate:response:{called.id}")
+    assert shared is not None and shared.decode().startswith(f"{replica}\n")
+
+    second = c.responses.with_raw_response.create(
+        model=MODEL,
+        instructions=instructions,
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": item.call_id, "output": "21 C"}],
+        tools=[RESPONSES_TOOL],
+        max_output_tokens=64,
+    )
+    answer = second.parse()
+    assert second.headers["x-prefixgate-replica"] == replica
+    assert answer.output_text == ANSWER and answer.previous_response_id == called.id
+    assert answer.usage is not None and called.usage is not None
+    cached = answer.usage.input_tokens_details.cached_tokens
+    assert cached >= called.usage.input_tokens - 16 > 0
+
+    fetched = c.responses.retrieve(answer.id)
+    assert fetched.id == answer.id and fetched.output_text == ANSWER
+    with pytest.raises(openai.BadRequestError, match="only background responses"):
+        c.responses.cancel(answer.id)
+    c.responses.delete(answer.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        c.responses.retrieve(answer.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        c.responses.create(model=MODEL, previous_response_id=answer.id, input="and now?")
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        c.responses.create(model=MODEL, previous_response_id="resp_unknown", input="hi")
+
+
+def test_a_response_whose_replica_is_gone_is_a_404(
+    cluster: Cluster, module_redis: RedisServer
+) -> None:
+    """Another gateway recorded it on a replica this one no longer has: never an answer
+    from a different replica."""
+    redis.Redis.from_url(module_redis.url).set(
+        "prefixgate:response:resp_elsewhere", "r-gone\nresp_elsewhere", ex=60
+    )
+    c = cluster.client()
+    with pytest.raises(openai.NotFoundError, match="r-gone, which is gone"):
+        c.responses.create(model=MODEL, previous_response_id="resp_elsewhere", input="hi")
+    with pytest.raises(openai.NotFoundError, match="r-gone"):
+        c.responses.retrieve("resp_elsewhere")
+
+
+def test_streamed_responses_events(cluster: Cluster) -> None:
+    c = cluster.client()
+    kinds: list[str] = []
+    arguments, text = "", ""
+    completed: Any = None
+    events: Any = c.responses.create(
+        model=MODEL, input="weather, streamed", tools=[RESPONSES_TOOL], stream=True
+    )
+    for event in events:
+        kinds.append(event.type)
+        if event.type == "response.function_call_arguments.delta":
+            arguments += event.delta
+        if event.type == "response.completed":
+            completed = event.response
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert completed.output[0].type == "function_call"
+    assert completed.usage.input_tokens > 0
+    events = c.responses.create(model=MODEL, input="say hello", stream=True)
+    for event in events:
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type == "response.completed":
+            completed = event.response
+    assert text == completed.output_text == "Hello from the script."
+    follow = c.responses.create(
+        model=MODEL, previous_response_id=completed.id, input="again", max_output_tokens=4
+    )
+    assert follow.status == "incomplete"  # four tokens of the answer: max_output_tokens
+    assert follow.usage is not None and follow.usage.input_tokens_details.cached_tokens > 0

@@ -1,0 +1,367 @@
+"""The Responses API through the gateway, with affinity for stateful turns.
+
+``POST /v1/responses`` without ``previous_response_id`` is routed like a chat: keys from
+``instructions`` + ``input`` rendered as the engine renders them (the same chat mapping
+as the replica, prefixgate/wire_responses.py). Every response id a replica answers with is
+recorded as id -> replica (and the id of its conversation's first response) in Redis with
+a TTL, so every gateway agrees, and in a bounded local table (the only record without
+Redis). A request naming ``previous_response_id``, and ``GET`` / ``DELETE`` /
+``POST .../cancel`` by id, go to that replica and nowhere else: engines keep responses in
+their own memory, so another replica's answer would be a wrong answer. An id no gateway
+recorded (unknown, expired or deleted) is a 404, and so is one whose replica is gone; a
+replica that is known but unhealthy right now is a 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.attempt import Attempt
+from gateway.proxy import forward_headers
+from gateway.state import GatewayState
+from prefixgate.json_body import load_json_object
+from prefixgate.wire import ChatCompletionRequest, OpenAIError, parse_request
+from prefixgate.wire_responses import ResponsesRequest, chat_body
+from router.router import Decision, NoHealthyReplica
+
+log = logging.getLogger("prefixgate.gateway")
+
+AFFINITY_TTL_S = 3600.0  # the built-in replica's store keeps a response this long unused
+REDIS_PREFIX = "prefixgate:response:"
+REPLICA_HEADER = "x-prefixgate-replica"
+
+
+class Owner(NamedTuple):
+    replica_id: str
+    conversation: str  # the id of the chain's first response
+
+
+@dataclass(slots=True)
+class ResponseAffinity:
+    """Response id -> the replica that stored it: Redis (shared, TTL) and a local LRU."""
+
+    redis_url: str | None
+    ttl_s: float = AFFINITY_TTL_S
+    max_local: int = 100_000
+    local: OrderedDict[str, tuple[Owner, float]] = field(default_factory=OrderedDict)
+    client: Any = None  # redis.asyncio.Redis, made on first use
+
+    def _redis(self) -> Any:
+        if self.redis_url is not None and self.client is None:
+            import redis.asyncio as aioredis
+
+            self.client = aioredis.from_url(self.redis_url, socket_timeout=2.0)
+        return self.client
+
+    async def record(self, response_id: str, owner: Owner) -> None:
+        self.local[response_id] = (owner, time.monotonic() + self.ttl_s)
+        self.local.move_to_end(response_id)
+        while len(self.local) > self.max_local:
+            self.local.popitem(last=False)
+        client = self._redis()
+        if client is None:
+            return
+        try:
+            value = f"{owner.replica_id}\n{owner.conversation}"
+            await client.set(REDIS_PREFIX + response_id, value, ex=int(self.ttl_s))
+        except Exception as exc:  # Redis down: this gateway still knows; others will 404
+            log.warning("response affinity for %s not shared (Redis: %s)", response_id, exc)
+
+    async def lookup(self, response_id: str) -> Owner | None:
+        entry = self.local.get(response_id)
+        if entry is not None and entry[1] > time.monotonic():
+            return entry[0]
+        client = self._redis()
+        if client is None:
+            return None
+        try:
+            raw = await client.get(REDIS_PREFIX + response_id)
+        except Exception as exc:
+            log.warning("response affinity lookup for %s failed (Redis: %s)", response_id, exc)
+            return None
+        if raw is None:
+            return None
+        replica_id, _, conversation = raw.decode().partition("\n")
+        return Owner(replica_id, conversation or response_id)
+
+    async def forget(self, response_id: str) -> None:
+        self.local.pop(response_id, None)
+        client = self._redis()
+        if client is not None:
+            try:
+                await client.delete(REDIS_PREFIX + response_id)
+            except Exception as exc:
+                log.warning("response affinity for %s not removed (Redis: %s)", response_id, exc)
+
+
+def _unknown(response_id: str, param: str | None) -> OpenAIError:
+    return OpenAIError(
+        f"Response with id '{response_id}' not found: no gateway recorded it (unknown, "
+        "expired or deleted). Start a new conversation without previous_response_id.",
+        status=404,
+        param=param,
+        code="response_not_found",
+    )
+
+
+def _owner_url(state: GatewayState, response_id: str, owner: Owner, param: str | None) -> str:
+    view = state.router.replicas.get(owner.replica_id)
+    if view is None:
+        raise OpenAIError(
+            f"Response with id '{response_id}' was stored on replica {owner.replica_id}, "
+            "which is gone; its conversation cannot continue. Start a new one without "
+            "previous_response_id.",
+            status=404,
+            param=param,
+            code="response_not_found",
+        )
+    if not view.healthy:
+        raise OpenAIError(
+            f"Replica {owner.replica_id}, which stored response '{response_id}', is "
+            "unhealthy right now; retry shortly.",
+            status=503,
+            type="server_error",
+            code="response_replica_unavailable",
+            headers={"Retry-After": "1"},
+        )
+    return str(view.url)
+
+
+def _timeout(state: GatewayState) -> httpx.Timeout:
+    return httpx.Timeout(state.config.upstream_timeout_s, connect=state.config.connect_timeout_s)
+
+
+class Target(NamedTuple):
+    decision: Decision
+    url: str
+    conversation: str | None  # the chain this request continues
+
+
+async def _target(
+    state: GatewayState, req: ResponsesRequest, affinity: ResponseAffinity, salt: str
+) -> Target:
+    previous = req.previous_response_id
+    if previous is not None:
+        owner = await affinity.lookup(previous)
+        if owner is None:
+            raise _unknown(previous, "previous_response_id")
+        url = _owner_url(state, previous, owner, "previous_response_id")
+        return Target(
+            Decision(owner.replica_id, "response_affinity", 0, 0), url, owner.conversation
+        )
+    block_size = state.served_block_size(req.model)
+    if block_size is None:
+        raise OpenAIError(
+            f"The model `{req.model}` does not exist or no replica serves it.",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+    chat = parse_request(ChatCompletionRequest, chat_body(req, []))
+    prompt = await state.keys.keys(chat, req.model, block_size, salt)
+    try:
+        decision = state.router.route(
+            prompt.keys, req.prompt_cache_key, model=req.model, prompt_tokens=prompt.prompt_tokens
+        )
+    except NoHealthyReplica:
+        raise OpenAIError(
+            f"No healthy replica serves model {req.model!r} right now; retry shortly.",
+            status=503,
+            type="server_error",
+            code="no_healthy_replica",
+            headers={"Retry-After": "1"},
+        ) from None
+    view = state.router.replicas[decision.replica_id]
+    return Target(decision, str(view.url), None)
+
+
+def _request_id(headers: dict[str, str]) -> str:
+    return headers.get("x-request-id") or os.urandom(16).hex()
+
+
+def _answer_headers(upstream: httpx.Response, replica_id: str) -> dict[str, str]:
+    headers = {REPLICA_HEADER: replica_id}
+    if "retry-after" in upstream.headers:
+        headers["retry-after"] = upstream.headers["retry-after"]
+    return headers
+
+
+async def create(state: GatewayState, affinity: ResponseAffinity, request: Request) -> Response:
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    body = load_json_object(await request.body())
+    req = parse_request(ResponsesRequest, body)
+    salt = state.auth.forwarded_salt(tenant, body.get("cache_salt"))
+    if salt != body.get("cache_salt"):
+        if salt is None:
+            body.pop("cache_salt", None)
+        else:
+            body["cache_salt"] = salt
+    target = await _target(state, req, affinity, salt or "")
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    sent = forward_headers(headers, _request_id(headers), state.auth.open)
+    rid = target.decision.replica_id
+    attempt = Attempt(state.router, target.decision)
+    attempt.__enter__()
+    try:
+        upstream_request = state.client.build_request(
+            "POST", target.url + "/v1/responses", content=raw, headers=sent, timeout=_timeout(state)
+        )
+        upstream = await state.client.send(upstream_request, stream=True)
+    except httpx.HTTPError as exc:
+        attempt.fail()
+        attempt.finish()
+        raise OpenAIError(
+            f"Replica {rid} failed before answering ({type(exc).__name__}); retry the request.",
+            status=502,
+            type="server_error",
+            code="upstream_unavailable",
+        ) from exc
+    attempt.first_byte()
+
+    async def remember(response_id: object) -> None:
+        if isinstance(response_id, str) and response_id:
+            await affinity.record(response_id, Owner(rid, target.conversation or response_id))
+
+    if not req.stream or upstream.status_code >= 400:
+        try:
+            data = await upstream.aread()
+        finally:
+            await upstream.aclose()
+            attempt.prefill_done()
+            attempt.finish()
+        if upstream.status_code < 300:
+            await remember(_json_field(data, "id"))
+        return Response(
+            data,
+            status_code=upstream.status_code,
+            media_type="application/json",
+            headers=_answer_headers(upstream, rid),
+        )
+
+    async def relay() -> AsyncIterator[bytes]:
+        seen = bytearray()
+        recorded = False
+        try:
+            async for chunk in upstream.aiter_raw():
+                attempt.prefill_done()
+                if not recorded:
+                    seen += chunk
+                    response_id = _created_id(bytes(seen))
+                    if response_id is not None:
+                        await remember(response_id)
+                        recorded = True
+                        seen.clear()
+                yield chunk
+        except httpx.HTTPError:
+            attempt.fail()
+            yield b'event: error\ndata: {"type":"error","message":"replica failed mid-stream"}\n\n'
+        finally:
+            await upstream.aclose()
+            attempt.finish()
+
+    return StreamingResponse(
+        relay(),
+        status_code=upstream.status_code,
+        media_type="text/event-stream",
+        headers=_answer_headers(upstream, rid),
+    )
+
+
+def _json_field(data: bytes, name: str) -> object:
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    return parsed.get(name) if isinstance(parsed, dict) else None
+
+
+def _created_id(stream: bytes) -> str | None:
+    """The response id in a stream's ``response.created`` event, once it has arrived."""
+    for line in stream.split(b"\n"):
+        if line.startswith(b"data:") and b"response.created" in line:
+            event = json.loads(line[5:])
+            response = event.get("response") if isinstance(event, dict) else None
+            if isinstance(response, dict) and isinstance(response.get("id"), str):
+                return str(response["id"])
+    return None
+
+
+async def by_id(
+    state: GatewayState,
+    affinity: ResponseAffinity,
+    request: Request,
+    response_id: str,
+    suffix: str = "",
+) -> Response:
+    """GET / DELETE / cancel: on the replica that stored the response, or a 404."""
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    state.auth.authenticate(headers.get("authorization"))
+    owner = await affinity.lookup(response_id)
+    if owner is None:
+        raise _unknown(response_id, None)
+    url = _owner_url(state, response_id, owner, None)
+    sent = forward_headers(headers, _request_id(headers), state.auth.open)
+    try:
+        upstream = await state.client.request(
+            request.method,
+            f"{url}/v1/responses/{response_id}{suffix}",
+            headers=sent,
+            timeout=_timeout(state),
+        )
+    except httpx.HTTPError as exc:
+        raise OpenAIError(
+            f"Replica {owner.replica_id} failed ({type(exc).__name__}); retry the request.",
+            status=502,
+            type="server_error",
+            code="upstream_unavailable",
+        ) from exc
+    if request.method == "DELETE" and upstream.status_code in (200, 404):
+        await affinity.forget(response_id)
+    return Response(
+        upstream.content,
+        status_code=upstream.status_code,
+        media_type="application/json",
+        headers=_answer_headers(upstream, owner.replica_id),
+    )
+
+
+def add_response_routes(app: FastAPI) -> None:
+    state: GatewayState = app.state.gateway
+    affinity = ResponseAffinity(state.config.redis_url)
+    app.state.response_affinity = affinity
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await _answer(create(state, affinity, request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await _answer(by_id(state, affinity, request, response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await _answer(by_id(state, affinity, request, response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await _answer(by_id(state, affinity, request, response_id, "/cancel"))
+
+
+async def _answer(work: Any) -> Response:
+    try:
+        response: Response = await work
+    except OpenAIError as err:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return response

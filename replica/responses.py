@@ -1,0 +1,282 @@
+"""The Responses API on the built-in replica: ``POST /v1/responses`` (whole or streamed),
+``GET`` / ``DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``.
+
+A request runs as the chat it maps to (prefixgate/wire_responses.py), so its prompt is
+rendered, checked and tool-parsed exactly as a chat completion. With ``store`` (the
+default) the conversation it ended is kept (replica/response_store.py); a follow-up naming
+it in ``previous_response_id`` renders that conversation first, so its prompt starts with
+the previous prompt and reuses its cached blocks. Usage reports
+``input_tokens_details.cached_tokens``.
+
+Responses run in the foreground: there is nothing in flight to cancel by id, so
+``cancel`` of a stored response is a 400 that says so, and of an unknown one a 404.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from prefixgate.json_body import load_json_body
+from prefixgate.wire import OpenAIError, parse_request
+from prefixgate.wire_responses import ResponsesRequest, chat_body, input_messages
+from replica.handle import RequestHandle
+from replica.jobs import Job, JobClock, job_from_chat
+from replica.request import RequestOutput
+from replica.respond import _cancel_unfinished, _collect, _engine_error, _observe, _submit
+from replica.state import Replica
+from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def not_found(response_id: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(
+        f"Response with id '{response_id}' not found on this replica (never stored, "
+        "deleted, or dropped from its bounded store).",
+        status=404,
+        param=param,
+        code="response_not_found",
+    )
+
+
+class Turn:
+    """One response being made: its request, ids and the conversation it extends."""
+
+    def __init__(self, req: ResponsesRequest, job: Job, history: list[dict[str, Any]]) -> None:
+        self.req = req
+        self.job = job
+        self.id = _id("resp")
+        self.created = int(time.time())
+        self.messages = [*history, *input_messages(req)]
+        self.clock = JobClock(start=time.perf_counter())
+
+    def body(
+        self, status: str, output: list[dict[str, Any]], out: RequestOutput | None
+    ) -> dict[str, Any]:
+        req = self.req
+        incomplete = out is not None and out.choices[0].finish_reason == "length"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": "incomplete" if incomplete else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None,
+            "model": self.job.model,
+            "instructions": req.instructions,
+            "previous_response_id": req.previous_response_id,
+            "output": output,
+            "tools": req.tools or [],
+            "tool_choice": req.tool_choice or ("auto" if req.tools else "none"),
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "store": req.store,
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "metadata": {},
+            "usage": _usage(out) if out is not None else None,
+        }
+
+    def finish(self, out: RequestOutput, replica: Replica) -> dict[str, Any]:
+        """The whole response; stored with its conversation when ``store``."""
+        text = out.choices[0].text
+        content, calls = parse_hermes(text) if self.job.parse_tools else (text, [])
+        items = ([message_item(_id("msg"), content)] if content else []) + [
+            function_item(call) for call in calls
+        ]
+        body = self.body("completed", items, out)
+        self.remember(content, calls, body, replica)
+        return body
+
+    def remember(
+        self, content: str | None, calls: list[ParsedCall], body: dict[str, Any], replica: Replica
+    ) -> None:
+        if not self.req.store:
+            return
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = [call.as_dict() for call in calls]
+        replica.responses.put(self.id, [*self.messages, reply], body)
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "input_tokens": out.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": out.cached_tokens},
+        "output_tokens": out.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+    }
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def function_item(call: ParsedCall, arguments: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.rsplit("-", 1)[-1],
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+        "status": "completed",
+    }
+
+
+async def create(request: Request, replica: Replica) -> Response:
+    req = parse_request(ResponsesRequest, load_json_body(await request.body()))
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        previous = replica.responses.get(req.previous_response_id)
+        if previous is None:
+            raise not_found(req.previous_response_id, "previous_response_id")
+        history = previous.messages
+    job = job_from_chat(chat_body(req, history), replica)
+    turn = Turn(req, job, history)
+    handle = _submit(job, replica)
+    if req.stream:
+        return StreamingResponse(
+            _events(turn, handle, replica),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(_cancel_unfinished, handle, job, replica),
+        )
+    try:
+        out = await _collect(handle, turn.clock, replica)
+    finally:
+        _cancel_unfinished(handle, job, replica)  # the client left or we were cancelled
+    if out.error is not None:
+        raise _engine_error(out.error)
+    _observe(job, out, turn.clock, replica)
+    return JSONResponse(turn.finish(out, replica))
+
+
+class EventWriter:
+    """Server-sent events of one streamed response, numbered."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def _events(turn: Turn, handle: RequestHandle, replica: Replica) -> AsyncIterator[bytes]:
+    event = EventWriter()
+    yield event("response.created", response=turn.body("in_progress", [], None))
+    parser = HermesStream() if turn.job.parse_tools else None
+    message_id = _id("msg")
+    text = ""  # the message's content so far
+    calls: list[ParsedCall] = []
+    items: list[dict[str, Any]] = []
+    async for delta in handle:
+        turn.clock.tick(len(delta.token_ids), replica.metrics)
+        content, done = parser.feed(delta.text) if parser is not None else (delta.text, [])
+        if delta.finish_reason is not None and parser is not None:
+            tail, more = parser.finish()
+            content, done = content + tail, [*done, *more]
+        if content:
+            if not text:
+                yield event(
+                    "response.output_item.added",
+                    output_index=0,
+                    item=message_item(message_id, "", "in_progress"),
+                )
+            text += content
+            yield event(
+                "response.output_text.delta",
+                item_id=message_id,
+                output_index=0,
+                content_index=0,
+                delta=content,
+            )
+        for call in done:
+            calls.append(call)
+            item = function_item(call)
+            index = len(calls) - (0 if text else 1)
+            yield event(
+                "response.output_item.added", output_index=index, item=function_item(call, "")
+            )
+            yield event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=call.arguments,
+            )
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                arguments=call.arguments,
+            )
+            yield event("response.output_item.done", output_index=index, item=item)
+            items.append(item)
+    out = handle.output
+    assert out is not None, "the stream ended, so the engine closed the handle"
+    if out.error is not None:
+        error = _engine_error(out.error)
+        yield event("error", message=error.message, code=error.code, param=None)
+        return
+    _observe(turn.job, out, turn.clock, replica)
+    if text:
+        yield event(
+            "response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+            text=text,
+        )  # fmt: skip
+        message = message_item(message_id, text)
+        yield event("response.output_item.done", output_index=0, item=message)
+        items.insert(0, message)
+    body = turn.body("completed", items, out)
+    turn.remember(text or None, calls, body, replica)
+    yield event("response.completed", response=body)
+
+
+def add_response_routes(app: FastAPI, replica: Replica) -> None:
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await create(request, replica)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        stored = replica.responses.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return stored.body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        if not replica.responses.delete(response_id):
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        if replica.responses.get(response_id) is None:
+            raise not_found(response_id)
+        raise OpenAIError(
+            f"Response '{response_id}' has completed; only background responses can be "
+            "cancelled, and this replica runs none.",
+            param="response_id",
+            code="not_cancellable",
+        )
