@@ -63,6 +63,10 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
     cmd += ["--host", args.host, "--port", str(ports.http)]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     cmd += ["--kv-events-config", json.dumps(events)]
+    if args.chat_template is not None:
+        cmd += ["--chat-template", str(args.chat_template)]
+    if args.tool_call_parser is not None:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     for extra in args.engine_arg or ():
         cmd += shlex.split(extra)
     return cmd

@@ -76,6 +76,10 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
         cmd += ["--num-blocks", str(args.num_blocks)]
     if args.model == SIM_MODEL and args.sim_profile is not None:
         cmd += ["--sim-profile", args.sim_profile]
+    if args.chat_template is not None:
+        cmd += ["--chat-template", str(args.chat_template)]
+    if args.tool_call_parser is not None:
+        cmd += ["--tool-call-parser", args.tool_call_parser]
     return cmd
 
 
@@ -90,6 +94,8 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--router-option", option]
     if args.api_keys is not None:
         cmd += ["--api-keys", str(args.api_keys)]
+    if args.chat_template is not None:  # the replicas render with it: keys must agree
+        cmd += ["--chat-template", str(args.chat_template)]
     return cmd
 
 
@@ -275,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--kv-cache-mb", metavar="MB", type=int, help="KV pool per replica")
     budget.add_argument("--num-blocks", metavar="N", type=int, help="KV blocks per replica")
     add("--api-keys", metavar="FILE", type=Path, help="gateway API key file (default: no auth)")
+    add(
+        "--chat-template",
+        metavar="FILE",
+        type=Path,
+        help="jinja chat template instead of the model's own, for the replicas and the "
+        "gateway alike (their keys then agree)",
+    )
+    add(
+        "--tool-call-parser",
+        choices=["hermes"],
+        help="the replicas parse tool calls from the model's text (tool_choice auto)",
+    )
     add("--run-dir", metavar="DIR", type=Path, help="logs and pids (default ./runs/<timestamp>)")
     add(
         "--ready-timeout-s",
@@ -302,6 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--device must be cpu, cuda or cuda:N, not {args.device!r}")
     if args.api_keys is not None and not args.api_keys.is_file():
         parser.error(f"--api-keys {args.api_keys}: no such file")
+    if args.chat_template is not None and not args.chat_template.is_file():
+        parser.error(f"--chat-template {args.chat_template}: no such file")
     if args.run_dir is None:
         args.run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     return args
