@@ -10,6 +10,12 @@
    blocks released head-first instead of tail-first. Workload: 8 shared "documents" of
    768-1,536 tokens, picked with Zipf(1.1) popularity; each request is a document plus a
    unique 32-256-token question, served one after another.
+4. Host tier sweep (``--tiers``: only this): a device pool of 25% of the working set and
+   a host tier of 0/50/100/200% of it; token hit rate split by the tier the hit came
+   from, for the Zipf documents above and a multi-turn chat (conversations that grow by
+   a question and an answer per turn, turns of different conversations interleaved).
+   Working set = distinct full blocks found in more than one prompt. Only the bookkeeping runs (the
+   mover copies nothing); the bytes a real pool would move are counted.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -122,10 +129,120 @@ def sweep(n_requests: int) -> None:
         print(f"{size:>12} {size / doc_blocks:>7.2f}  " + "  ".join(f"{r:>15.3f}" for r in rates))
 
 
+class CountingMover:
+    """The host tier's mover for bookkeeping runs: counts copies, moves no bytes."""
+
+    block_bytes = 2 * 30 * 3 * B * 64 * 2  # SmolLM2-135M in bf16: 30 layers, 3 KV heads
+
+    def demote(self, device_block: int, host_slot: int) -> None:
+        pass
+
+    def promote(self, host_slot: int, device_block: int) -> None:
+        pass
+
+
+class TierHit(NamedTuple):
+    device_tokens: int
+    host_tokens: int
+
+
+def serve_tiered(cache: PrefixCache, tokens: list[int]) -> TierHit:
+    """``serve`` with the scheduler's promotion of host blocks before the prefill."""
+    hit = cache.match(tokens)
+    host = hit.host_tokens
+    if host:
+        promoted, blocks_in = cache.promote(hit)
+        if promoted.cached_tokens < hit.cached_tokens:  # cut: the pool could not take all
+            host = blocks_in * B
+        hit = promoted
+    blocks = list(hit.block_ids)
+    if hit.cached_tokens % B:
+        (fresh,) = cache.allocate(1)
+        cache.release([blocks[-1]])
+        blocks[-1] = fresh
+    blocks += cache.allocate(-(-len(tokens) // B) - len(blocks))
+    cache.commit(tokens, blocks)
+    cache.release(blocks)
+    return TierHit(hit.cached_tokens - min(host, hit.cached_tokens), min(host, hit.cached_tokens))
+
+
+def chat_workload(n_requests: int, seed: int = 2) -> list[list[int]]:
+    """Multi-turn chat: 48 conversations (a 200-token system prompt shared by all, then
+    per turn a 32-128-token question and a 64-256-token answer), a random active
+    conversation per request; a conversation ends past 2,500 tokens and a new one
+    starts."""
+    rng = random.Random(seed)
+    system = [rng.randrange(49152) for _ in range(200)]
+    convs = [list(system) for _ in range(48)]
+    requests = []
+    for _ in range(n_requests):
+        i = rng.randrange(len(convs))
+        conv = convs[i]
+        conv += [rng.randrange(49152) for _ in range(rng.randrange(32, 129))]
+        requests.append(list(conv))
+        conv += [rng.randrange(49152) for _ in range(rng.randrange(64, 257))]
+        if len(conv) > 2500:
+            convs[i] = list(system)
+    return requests
+
+
+def working_set(requests: list[list[int]]) -> int:
+    """Distinct full blocks that more than one prompt contains (a block is its whole
+    prefix): what an unbounded cache would ever hit. A question asked once is not in it."""
+    seen: Counter[bytes] = Counter()
+    space = KeySpace("m", B)
+    for tokens in requests:
+        seen.update(space.keys(tokens))
+    return sum(1 for n in seen.values() if n > 1)
+
+
+def tier_sweep(n_requests: int) -> None:
+    doc_requests, _ = workload(n_requests)
+    workloads = [("Zipf documents", doc_requests), ("multi-turn chat", chat_workload(n_requests))]
+    for name, requests in workloads:
+        total = sum(len(r) for r in requests)
+        blocks = working_set(requests)
+        # 25% of the working set, but at least one whole request (+ copy-on-write).
+        device = max(blocks // 4, -(-max(len(r) for r in requests) // B) + 1)
+        print(
+            f"\nhost tier sweep, {name}: {len(requests)} requests, {total} prompt tokens, "
+            f"working set {blocks} blocks; device pool {device} blocks (25%)"
+        )
+        print(
+            f"{'host tier':>14} {'device hit':>11} {'host hit':>9} {'total hit':>10} "
+            f"{'demoted':>8} {'promoted':>9} {'GiB to host':>12} {'GiB to device':>14}"
+        )
+        for share in (0.0, 0.5, 1.0, 2.0):
+            host_blocks = int(share * blocks)
+            cache = PrefixCache(
+                device,
+                B,
+                "m",
+                host_blocks=host_blocks,
+                mover=CountingMover() if host_blocks else None,
+            )
+            hits = [serve_tiered(cache, r) for r in requests]
+            dev = sum(h.device_tokens for h in hits) / total
+            host = sum(h.host_tokens for h in hits) / total
+            st = cache.stats()
+            cache.check_invariants()
+            gib = 1024**3
+            label = f"{share:.0%} ({host_blocks})"
+            print(
+                f"{label:>14} {dev:>11.3f} {host:>9.3f} {dev + host:>10.3f} "
+                f"{st.demotions:>8} {st.promotions:>9} {st.bytes_to_host / gib:>12.2f} "
+                f"{st.bytes_to_device / gib:>14.2f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and requests")
+    parser.add_argument("--tiers", action="store_true", help="only the host tier sweep")
     args = parser.parse_args()
+    if args.tiers:
+        tier_sweep(300 if args.quick else 1500)
+        return
     repeats = 100 if args.quick else 500
     print(f"block keys, 2048 tokens:             {bench_keys(repeats)}  target <= 0.3")
     cold, warm = bench_request(repeats)
