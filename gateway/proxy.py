@@ -224,17 +224,17 @@ async def _send_stream(
     ex.responded = True
     headers = passed_headers(upstream.raw_headers)
     headers.extend(ex.raw_headers())
+    prefilled = False  # the router was told of the first output
     try:
         await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
         async for chunk in upstream.chunks():
             if ex.ttfb is None:
                 ex.ttfb = time.perf_counter()
-            if scanner is None:
-                attempt.prefill_done()
-            else:
+            if scanner is not None:
                 scanner.feed(chunk)
-                if scanner.output:
-                    attempt.prefill_done()
+            if not prefilled and (scanner is None or scanner.output):
+                prefilled = True
+                attempt.prefill_done()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         if scanner is not None and not scanner.done:
             attempt.fail()
