@@ -51,20 +51,25 @@ def load_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> object:
 
 
 def _depth(value: object) -> int:
-    """The nesting depth of a decoded JSON value, without recursion."""
-    deepest = 0
-    stack: list[tuple[object, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: list[object] = list(item.values())
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+    """The nesting depth of a decoded JSON value, level by level (no recursion, and no
+    per-node tuples: bodies with dozens of tool schemas hold thousands of nodes)."""
+    depth = 0
+    level: list[object] = [value]
+    while level:
+        children: list[object] = []
+        for item in level:
+            if isinstance(item, dict):
+                children.extend(item.values())
+            elif isinstance(item, list):
+                children.extend(item)
+            else:
+                continue
+            children.append(None)  # marks this level as holding a container
+        if not children:
+            break
+        depth += 1
+        level = children
+    return depth
 
 
 def _lone_surrogate(value: object) -> str | None:

@@ -92,10 +92,12 @@ def tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
             "description": fn.description,
             "parameters": fn.parameters,
         }
-        defer = getattr(tool, "defer_loading", None)
+        # model_extra, not getattr: pydantic's attribute fallback for extras is slow, and
+        # agents send dozens of tools with every request.
+        defer = (tool.model_extra or {}).get("defer_loading")
         if fn.strict is not None:
             function["strict"] = fn.strict
-        fn_defer = getattr(fn, "defer_loading", None)
+        fn_defer = (fn.model_extra or {}).get("defer_loading")
         if fn_defer is None:
             fn_defer = defer
         if fn_defer is not None:
