@@ -225,6 +225,7 @@ async def _send_stream(
     headers = passed_headers(upstream.raw_headers)
     headers.extend(ex.raw_headers())
     prefilled = False  # the router was told of the first output
+    partial = b""  # an SSE event not yet complete: held so a break never cuts one in two
     try:
         await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
         async for chunk in upstream.chunks():
@@ -232,10 +233,15 @@ async def _send_stream(
                 ex.ttfb = time.perf_counter()
             if scanner is not None:
                 scanner.feed(chunk)
+                chunk, partial = split_complete_events(partial + chunk)
             if not prefilled and (scanner is None or scanner.output):
                 prefilled = True
                 attempt.prefill_done()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if partial:  # the stream ended cleanly on bytes that end no event: pass them on
+            await send({"type": "http.response.body", "body": partial, "more_body": True})
+            partial = b""
         if scanner is not None and not scanner.done:
             attempt.fail()
             await send(error_event(f"replica {rid} ended the stream early"))
@@ -251,6 +257,14 @@ async def _send_stream(
     if scanner is not None:
         ex.cached_tokens = scanner.cached_tokens
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def split_complete_events(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` cut after its last complete SSE event (a blank line, LF or CRLF): what can
+    go to the client now, and the incomplete rest to hold."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+    return data[:end], data[end:]
 
 
 def forward_headers(

@@ -167,6 +167,29 @@ def test_a_stream_broken_off_ends_with_an_error_event() -> None:
     run(main())
 
 
+def test_a_stream_broken_inside_an_event_never_glues_it_to_the_error() -> None:
+    half = b'data: {"choices":[{"te'
+
+    async def break_mid_event(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+        w.write(sse('{"choices":[{"text":"a"}]}', done=False))
+        w.write(b"%x\r\n%s\r\n" % (len(half), half))  # half an event, then the line drops
+        await w.drain()
+        w.close()
+
+    async def main() -> None:
+        replica = await Replica(break_mid_event).start()
+        async with running_gateway([replica]) as (url, _), httpx.AsyncClient() as client:
+            r = await client.post(url + "/v1/completions", json={**BODY, "stream": True})
+            events = [e for e in r.text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and len(events) == 3, events
+            first, error = (json.loads(e.removeprefix("data: ")) for e in events[:2])
+            assert first["choices"][0]["text"] == "a"
+            assert error["error"]["code"] == "upstream_error"
+        replica.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_leaving_closes_the_upstream_connection(stream: bool) -> None:
     gone = asyncio.Event()
