@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prefixgate.procs import free_port, stop_process, wait_http_ok  # noqa: E402
+from prefixgate.procs import free_port, start_redis, stop_process, wait_http_ok  # noqa: E402
 
 TEMPLATE = ROOT / "tests" / "support" / "tool_template.jinja"
 MODEL = "tiny-random"
@@ -79,6 +80,14 @@ def _pct(values: list[float], p: int) -> float:
     return statistics.quantiles(sorted(values), n=100, method="inclusive")[p - 1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc): the figure least moved by
+    other load on a shared machine."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start(args: list[str], port: int, procs: list[subprocess.Popen[bytes]], log: Path) -> str:
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -116,9 +125,13 @@ def overhead(n: int) -> None:
             )  # fmt: skip
             wait_http_ok(gateway + "/ready", timeout=60, procs=procs)
             results = {}
+            cpu: dict[str, float] = {}
             with httpx.Client(timeout=30) as client:
-                for name, url in (("direct (stub)", stub), ("gateway", gateway)):
+                for (name, url), proc in zip(
+                    (("direct (stub)", stub), ("gateway", gateway)), procs, strict=True
+                ):
                     times = []
+                    cpu_before = cpu_seconds(proc.pid)
                     for i in range(n + 20):
                         body = {
                             "model": MODEL,
@@ -136,12 +149,16 @@ def overhead(n: int) -> None:
                         if i >= 20:  # warm-up: connections, the tokenizer, its piece cache
                             times.append(elapsed * 1e3)
                     results[name] = (_pct(times, 50), _pct(times, 99))
+                    cpu[name] = (cpu_seconds(proc.pid) - cpu_before) / (n + 20) * 1e3
         finally:
             for proc in procs:
                 stop_process(proc, grace_s=5)
     print(f"30 tools, {schema_tokens} tokens of schema JSON, {n} requests, concurrency 1")
     for name, (p50, p99) in results.items():
-        print(f"  {name:<14} full p50 {p50:.2f} ms  p99 {p99:.2f} ms")
+        print(
+            f"  {name:<14} full p50 {p50:.2f} ms  p99 {p99:.2f} ms  "
+            f"server CPU {cpu[name]:.2f} ms/request"
+        )
     added = results["gateway"][0] - results["direct (stub)"][0]
     print(f"  added p50 {added:+.2f} ms")
 
@@ -203,11 +220,7 @@ def routing(agents: int, sessions: int) -> None:
             try:
                 port = free_port()
                 redis_url = f"redis://127.0.0.1:{port}/0"
-                rp = subprocess.Popen(
-                    ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                    stdout=subprocess.DEVNULL, start_new_session=True,
-                )  # fmt: skip
-                procs.append(rp)
+                procs.append(start_redis(port, Path(tmp)))
                 urls = []
                 for i in range(2):
                     port = free_port()
