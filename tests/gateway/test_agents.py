@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -322,3 +323,37 @@ def test_streamed_responses_events(cluster: Cluster) -> None:
     )
     assert follow.status == "incomplete"  # four tokens of the answer: max_output_tokens
     assert follow.usage is not None and follow.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {
+            "model": MODEL,
+            "input": [{"type": "message", "role": "user", "content": [{"type": "x"}]}],
+        },
+        {"model": MODEL, "input": [{"type": "function_call", "name": 3}]},
+        {"model": MODEL, "input": [{"type": "reasoning"}]},
+        {"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]},
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": "x"}],
+        },
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tool_choice": {"type": "function"},
+            "tools": [RESPONSES_TOOL],
+        },
+        {"model": MODEL, "input": "hi", "max_output_tokens": 0},
+        {"model": MODEL, "input": 5},
+        {"model": "nope", "input": "hi"},
+        {"model": MODEL, "input": "hi", "previous_response_id": ""},
+    ],
+)
+def test_bad_responses_requests_are_4xx(cluster: Cluster, body: dict[str, Any]) -> None:
+    for url in (cluster.gateway.url, cluster.replicas[0].url):
+        r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+        assert 400 <= r.status_code < 500, (url, r.status_code, r.text)
+        assert isinstance(r.json()["error"]["message"], str)
