@@ -3,7 +3,7 @@
 ``POST /v1/responses`` without ``previous_response_id`` is routed like a chat: keys from
 ``instructions`` + ``input`` rendered as the engine renders them (the same chat mapping
 as the replica, prefixgate/wire_responses.py). Every response id a replica answers with is
-recorded as id -> replica (and the id of its conversation's first response) in Redis with
+recorded as id -> replica (with its tenant and its conversation's first response) in Redis with
 a TTL, so every gateway agrees, and in a bounded local table (the only record without
 Redis). A request naming ``previous_response_id``, and ``GET`` / ``DELETE`` /
 ``POST .../cancel`` by id, go to that replica and nowhere else: engines keep responses in
@@ -45,6 +45,7 @@ REPLICA_HEADER = "x-prefixgate-replica"
 class Owner(NamedTuple):
     replica_id: str
     conversation: str  # the id of the chain's first response
+    tenant: str  # who made it: another tenant's id is answered as unknown
 
 
 @dataclass(slots=True)
@@ -73,7 +74,7 @@ class ResponseAffinity:
         if client is None:
             return
         try:
-            value = f"{owner.replica_id}\n{owner.conversation}"
+            value = f"{owner.replica_id}\n{owner.conversation}\n{owner.tenant}"
             await client.set(REDIS_PREFIX + response_id, value, ex=int(self.ttl_s))
         except Exception as exc:  # Redis down: this gateway still knows; others will 404
             log.warning("response affinity for %s not shared (Redis: %s)", response_id, exc)
@@ -92,8 +93,8 @@ class ResponseAffinity:
             return None
         if raw is None:
             return None
-        replica_id, _, conversation = raw.decode().partition("\n")
-        return Owner(replica_id, conversation or response_id)
+        replica_id, conversation, tenant = [*raw.decode().split("\n"), "", ""][:3]
+        return Owner(replica_id, conversation or response_id, tenant)
 
     async def forget(self, response_id: str) -> None:
         self.local.pop(response_id, None)
@@ -149,12 +150,12 @@ class Target(NamedTuple):
 
 
 async def _target(
-    state: GatewayState, req: ResponsesRequest, affinity: ResponseAffinity, salt: str
+    state: GatewayState, req: ResponsesRequest, affinity: ResponseAffinity, salt: str, tenant: str
 ) -> Target:
     previous = req.previous_response_id
     if previous is not None:
         owner = await affinity.lookup(previous)
-        if owner is None:
+        if owner is None or owner.tenant != tenant:
             raise _unknown(previous, "previous_response_id")
         url = _owner_url(state, previous, owner, "previous_response_id")
         return Target(
@@ -208,7 +209,7 @@ async def create(state: GatewayState, affinity: ResponseAffinity, request: Reque
             body.pop("cache_salt", None)
         else:
             body["cache_salt"] = salt
-    target = await _target(state, req, affinity, salt or "")
+    target = await _target(state, req, affinity, salt or "", tenant.name)
     raw = json.dumps(body, separators=(",", ":")).encode()
     sent = forward_headers(headers, _request_id(headers), state.auth.open)
     rid = target.decision.replica_id
@@ -232,7 +233,8 @@ async def create(state: GatewayState, affinity: ResponseAffinity, request: Reque
 
     async def remember(response_id: object) -> None:
         if isinstance(response_id, str) and response_id:
-            await affinity.record(response_id, Owner(rid, target.conversation or response_id))
+            owner = Owner(rid, target.conversation or response_id, tenant.name)
+            await affinity.record(response_id, owner)
 
     if not req.stream or upstream.status_code >= 400:
         try:
@@ -307,9 +309,9 @@ async def by_id(
 ) -> Response:
     """GET / DELETE / cancel: on the replica that stored the response, or a 404."""
     headers = {k.lower(): v for k, v in request.headers.items()}
-    state.auth.authenticate(headers.get("authorization"))
+    tenant = state.auth.authenticate(headers.get("authorization"))
     owner = await affinity.lookup(response_id)
-    if owner is None:
+    if owner is None or owner.tenant != tenant.name:
         raise _unknown(response_id, None)
     url = _owner_url(state, response_id, owner, None)
     sent = forward_headers(headers, _request_id(headers), state.auth.open)

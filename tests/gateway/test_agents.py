@@ -19,13 +19,14 @@ import redis
 from openai.types.chat import ChatCompletionFunctionToolParam
 from openai.types.responses import FunctionToolParam
 
+from gateway.auth import OPEN_TENANT
 from prefixgate.chat_input import chat_input
 from prefixgate.procs import free_port
 from prefixgate.tokenizer import ChatTokenizer
 from prefixgate.wire import ChatCompletionRequest
 from router.protocol import BlockEvent, KeySpace, events_stream_key, short_key
 from tests.conftest import RedisServer, wait_until
-from tests.gateway.conftest import Server, start, start_gateway
+from tests.gateway.conftest import Server, start, start_gateway, write_api_keys
 from tests.support.scripted_replica import ANSWER
 
 pytestmark = pytest.mark.timeout(240)
@@ -284,7 +285,7 @@ def test_a_response_whose_replica_is_gone_is_a_404(
     """Another gateway recorded it on a replica this one no longer has: never an answer
     from a different replica."""
     redis.Redis.from_url(module_redis.url).set(
-        "prefixgate:response:resp_elsewhere", "r-gone\nresp_elsewhere", ex=60
+        "prefixgate:response:resp_elsewhere", f"r-gone\nresp_elsewhere\n{OPEN_TENANT.name}", ex=60
     )
     c = cluster.client()
     with pytest.raises(openai.NotFoundError, match="r-gone, which is gone"):
@@ -323,6 +324,34 @@ def test_streamed_responses_events(cluster: Cluster) -> None:
     )
     assert follow.status == "incomplete"  # four tokens of the answer: max_output_tokens
     assert follow.usage is not None and follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_a_tenant_cannot_reach_another_tenants_responses(
+    cluster: Cluster, module_redis: RedisServer, tmp_path: Path
+) -> None:
+    keys = write_api_keys(tmp_path / "keys.json")
+    urls = [r.url for r in cluster.replicas]
+    keyed = start_gateway(
+        tmp_path, "gw-keyed", urls, "--redis-url", module_redis.url, "--api-keys", str(keys),
+        "--chat-template", str(TEMPLATE),
+    )  # fmt: skip
+    try:
+
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=keyed.url + "/v1", api_key=key, max_retries=0)
+
+        mine = client("sk-alpha").responses.create(model=MODEL, input="private", store=True)
+        assert client("sk-alpha").responses.retrieve(mine.id).id == mine.id
+        with pytest.raises(openai.NotFoundError):
+            client("sk-beta").responses.retrieve(mine.id)
+        with pytest.raises(openai.NotFoundError):
+            client("sk-beta").responses.create(
+                model=MODEL, previous_response_id=mine.id, input="and?"
+            )
+        with pytest.raises(openai.NotFoundError):  # the open gateway is another tenant
+            cluster.client().responses.retrieve(mine.id)
+    finally:
+        keyed.stop()
 
 
 @pytest.mark.parametrize(
