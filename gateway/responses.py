@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.attempt import Attempt
+from gateway.exchange import Exchange
 from gateway.proxy import forward_headers
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
@@ -39,7 +40,6 @@ log = logging.getLogger("prefixgate.gateway")
 
 AFFINITY_TTL_S = 3600.0  # the built-in replica's store keeps a response this long unused
 REDIS_PREFIX = "prefixgate:response:"
-REPLICA_HEADER = "x-prefixgate-replica"
 
 
 class Owner(NamedTuple):
@@ -187,22 +187,26 @@ async def _target(
     return Target(decision, str(view.url), None)
 
 
-def _request_id(headers: dict[str, str]) -> str:
-    return headers.get("x-request-id") or os.urandom(16).hex()
+def _request_id(headers: Any) -> str:
+    return str(headers.get("x-request-id") or os.urandom(16).hex())
 
 
-def _answer_headers(upstream: httpx.Response, replica_id: str) -> dict[str, str]:
-    headers = {REPLICA_HEADER: replica_id}
+def _answer_headers(upstream: httpx.Response, ex: Exchange) -> dict[str, str]:
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in ex.raw_headers()}
     if "retry-after" in upstream.headers:
         headers["retry-after"] = upstream.headers["retry-after"]
     return headers
 
 
-async def create(state: GatewayState, affinity: ResponseAffinity, request: Request) -> Response:
+async def create(
+    state: GatewayState, affinity: ResponseAffinity, request: Request, ex: Exchange
+) -> Response:
     headers = {k.lower(): v for k, v in request.headers.items()}
     tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
     body = load_json_object(await request.body())
     req = parse_request(ResponsesRequest, body)
+    ex.model, ex.stream = req.model, req.stream
     salt = state.auth.forwarded_salt(tenant, body.get("cache_salt"))
     if salt != body.get("cache_salt"):
         if salt is None:
@@ -211,8 +215,10 @@ async def create(state: GatewayState, affinity: ResponseAffinity, request: Reque
             body["cache_salt"] = salt
     target = await _target(state, req, affinity, salt or "", tenant.name)
     raw = json.dumps(body, separators=(",", ":")).encode()
-    sent = forward_headers(headers, _request_id(headers), state.auth.open)
+    sent = forward_headers(headers, ex.request_id, state.auth.open)
     rid = target.decision.replica_id
+    ex.set_decision(rid, target.decision)
+    ex.block_size = state.served_block_size(req.model) or 0
     attempt = Attempt(state.router, target.decision)
     attempt.__enter__()
     try:
@@ -230,6 +236,8 @@ async def create(state: GatewayState, affinity: ResponseAffinity, request: Reque
             code="upstream_unavailable",
         ) from exc
     attempt.first_byte()
+    ex.status = upstream.status_code
+    ex.ttfb = time.perf_counter()
 
     async def remember(response_id: object) -> None:
         if isinstance(response_id, str) and response_id:
@@ -245,11 +253,13 @@ async def create(state: GatewayState, affinity: ResponseAffinity, request: Reque
             attempt.finish()
         if upstream.status_code < 300:
             await remember(_json_field(data, "id"))
+            if req.previous_response_id is None:  # pinned: no prediction to compare with
+                ex.cached_tokens = _cached_tokens(_json_field(data, "usage"))
         return Response(
             data,
             status_code=upstream.status_code,
             media_type="application/json",
-            headers=_answer_headers(upstream, rid),
+            headers=_answer_headers(upstream, ex),
         )
 
     async def relay() -> AsyncIterator[bytes]:
@@ -268,17 +278,26 @@ async def create(state: GatewayState, affinity: ResponseAffinity, request: Reque
                 yield chunk
         except httpx.HTTPError:
             attempt.fail()
+            ex.status = 502
             yield b'event: error\ndata: {"type":"error","message":"replica failed mid-stream"}\n\n'
         finally:
             await upstream.aclose()
             attempt.finish()
+            ex.finish(state.metrics)
 
+    ex.responded = True  # the stream's end records the exchange
     return StreamingResponse(
         relay(),
         status_code=upstream.status_code,
         media_type="text/event-stream",
-        headers=_answer_headers(upstream, rid),
+        headers=_answer_headers(upstream, ex),
     )
+
+
+def _cached_tokens(usage: object) -> int | None:
+    details = usage.get("input_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None
 
 
 def _json_field(data: bytes, name: str) -> object:
@@ -290,10 +309,13 @@ def _json_field(data: bytes, name: str) -> object:
 
 
 def _created_id(stream: bytes) -> str | None:
-    """The response id in a stream's ``response.created`` event, once it has arrived."""
-    for line in stream.split(b"\n"):
+    """The response id in a stream's ``response.created`` event, once its line is whole."""
+    for line in stream.split(b"\n")[:-1]:  # the last piece may be a line still arriving
         if line.startswith(b"data:") and b"response.created" in line:
-            event = json.loads(line[5:])
+            try:
+                event = json.loads(line[5:])
+            except ValueError:
+                return None
             response = event.get("response") if isinstance(event, dict) else None
             if isinstance(response, dict) and isinstance(response.get("id"), str):
                 return str(response["id"])
@@ -304,17 +326,21 @@ async def by_id(
     state: GatewayState,
     affinity: ResponseAffinity,
     request: Request,
+    ex: Exchange,
     response_id: str,
     suffix: str = "",
 ) -> Response:
     """GET / DELETE / cancel: on the replica that stored the response, or a 404."""
     headers = {k.lower(): v for k, v in request.headers.items()}
     tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
     owner = await affinity.lookup(response_id)
     if owner is None or owner.tenant != tenant.name:
         raise _unknown(response_id, None)
     url = _owner_url(state, response_id, owner, None)
-    sent = forward_headers(headers, _request_id(headers), state.auth.open)
+    ex.replica = owner.replica_id
+    ex.reason = "response_affinity"
+    sent = forward_headers(headers, ex.request_id, state.auth.open)
     try:
         upstream = await state.client.request(
             request.method,
@@ -329,13 +355,14 @@ async def by_id(
             type="server_error",
             code="upstream_unavailable",
         ) from exc
+    ex.status = upstream.status_code
     if request.method == "DELETE" and upstream.status_code in (200, 404):
         await affinity.forget(response_id)
     return Response(
         upstream.content,
         status_code=upstream.status_code,
         media_type="application/json",
-        headers=_answer_headers(upstream, owner.replica_id),
+        headers=_answer_headers(upstream, ex),
     )
 
 
@@ -346,24 +373,39 @@ def add_response_routes(app: FastAPI) -> None:
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return await _answer(create(state, affinity, request))
+        ex = _exchange(request, "responses")
+        return await _answer(create(state, affinity, request, ex), ex, state)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:
-        return await _answer(by_id(state, affinity, request, response_id))
+        ex = _exchange(request, "responses_by_id")
+        return await _answer(by_id(state, affinity, request, ex, response_id), ex, state)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> Response:
-        return await _answer(by_id(state, affinity, request, response_id))
+        ex = _exchange(request, "responses_by_id")
+        return await _answer(by_id(state, affinity, request, ex, response_id), ex, state)
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str) -> Response:
-        return await _answer(by_id(state, affinity, request, response_id, "/cancel"))
+        ex = _exchange(request, "responses_by_id")
+        work = by_id(state, affinity, request, ex, response_id, "/cancel")
+        return await _answer(work, ex, state)
 
 
-async def _answer(work: Any) -> Response:
+def _exchange(request: Request, endpoint: str) -> Exchange:
+    return Exchange(_request_id(request.headers), endpoint, time.perf_counter())
+
+
+async def _answer(work: Any, ex: Exchange, state: GatewayState) -> Response:
+    """The answer, errors as OpenAI envelopes; the exchange recorded unless a stream is
+    still running (its end records it)."""
     try:
         response: Response = await work
     except OpenAIError as err:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        ex.status = err.status
+        headers = {**err.headers, "x-request-id": ex.request_id}
+        response = JSONResponse(err.body(), status_code=err.status, headers=headers)
+    if not ex.responded:
+        ex.finish(state.metrics)
     return response

@@ -261,6 +261,10 @@ def test_responses_tool_loop_stays_on_the_replica_that_stored_it(
     )
     answer = second.parse()
     assert second.headers["x-prefixgate-replica"] == replica
+    assert second.headers["x-prefixgate-route"].startswith("response_affinity")
+    assert "matched=" in first.headers["x-prefixgate-route"]
+    metrics = httpx.get(cluster.gateway.url + "/metrics", timeout=10).text
+    assert 'endpoint="responses"' in metrics
     assert answer.output_text == ANSWER and answer.previous_response_id == called.id
     assert answer.usage is not None and called.usage is not None
     cached = answer.usage.input_tokens_details.cached_tokens
