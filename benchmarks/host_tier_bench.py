@@ -90,8 +90,7 @@ def main() -> None:
         for name, fn in (("demote", mover.demote), ("promote", mover.promote)):
             _sync(device_of_pool)
             start = time.perf_counter()
-            for i in range(n):
-                fn(i, i)
+            fn(list(range(n)), list(range(n)))
             _sync(device_of_pool)
             copies[name].append(time.perf_counter() - start)
     ms = {

@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from replica.prefix_cache import PrefixCache
@@ -134,10 +134,10 @@ class CountingMover:
 
     block_bytes = 2 * 30 * 3 * B * 64 * 2  # SmolLM2-135M in bf16: 30 layers, 3 KV heads
 
-    def demote(self, device_block: int, host_slot: int) -> None:
+    def demote(self, device_blocks: Sequence[int], host_slots: Sequence[int]) -> None:
         pass
 
-    def promote(self, host_slot: int, device_block: int) -> None:
+    def promote(self, host_slots: Sequence[int], device_blocks: Sequence[int]) -> None:
         pass
 
 

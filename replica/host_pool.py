@@ -5,18 +5,25 @@
 ``HostPool`` is the prefix cache's ``BlockMover`` (``replica.host_tier``): it copies one
 block, every layer, between a device block of the ``BlockPool`` and a host slot.
 
-* CPU device: the host tier is a second tensor in the same memory and each copy is a
-  ``memcpy`` done inline by the engine thread (the same code path as on a GPU).
+The cache hands over a batch of (source, target) blocks per call; each block of each
+layer is one ``copy_`` (on CPU a gather + scatter per layer measured slower: it moves
+every byte twice and allocates the gathered copy).
+
+* CPU device: the host tier is a second tensor in the same memory; the copies are
+  memcpys done inline by the engine thread.
 * CUDA device: the host tensors are pinned (page-locked), so copies are DMA transfers
   over PCIe issued ``non_blocking`` on a side stream. The engine thread only enqueues
   them and never waits. The side stream first waits for the compute stream (the KV being
   demoted was written by earlier steps), and the compute stream then waits for the side
   stream, so the next step neither overwrites a device block still being demoted nor
   reads a promoted block before it has arrived. The GPU orders this; the host never
-  blocks on it.
+  blocks on it. One copy per (layer, block) is many small DMA launches; a batched
+  transfer needs a pinned staging buffer and a gather/scatter kernel (not done).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -60,25 +67,36 @@ class HostPool:
     def nbytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
-    def demote(self, device_block: int, host_slot: int) -> None:
-        """Device block -> host slot, ordered before the next step may overwrite it."""
-        self._copy(self.device_pool.kv, device_block, self.kv, host_slot)
+    def demote(self, device_blocks: Sequence[int], host_slots: Sequence[int]) -> None:
+        """Device blocks -> host slots, ordered before the next step may overwrite them."""
+        self._copy(self.device_pool.kv, device_blocks, self.kv, host_slots)
 
-    def promote(self, host_slot: int, device_block: int) -> None:
-        """Host slot -> device block, ordered before the next step reads it."""
-        self._copy(self.kv, host_slot, self.device_pool.kv, device_block)
+    def promote(self, host_slots: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """Host slots -> device blocks, ordered before the next step reads them."""
+        self._copy(self.kv, host_slots, self.device_pool.kv, device_blocks)
 
     def _copy(
-        self, src: list[torch.Tensor], src_block: int, dst: list[torch.Tensor], dst_block: int
+        self,
+        src: list[torch.Tensor],
+        src_blocks: Sequence[int],
+        dst: list[torch.Tensor],
+        dst_blocks: Sequence[int],
     ) -> None:
+        if len(src_blocks) != len(dst_blocks) or len(set(dst_blocks)) != len(dst_blocks):
+            raise ValueError("copies need one distinct target per source block")
+        if not src_blocks:
+            return
+        pairs = list(zip(src_blocks, dst_blocks, strict=True))
         with torch.inference_mode():
             if self.stream is None:
-                for s, d in zip(src, dst, strict=True):
-                    d[dst_block].copy_(s[src_block])
+                for s, d in zip(src, dst, strict=True):  # [N|H, 2, KVH, B, D] each
+                    for a, b in pairs:
+                        d[b].copy_(s[a])
                 return
             compute = torch.cuda.current_stream(self.device_pool.device)
             self.stream.wait_stream(compute)
             with torch.cuda.stream(self.stream):
                 for s, d in zip(src, dst, strict=True):
-                    d[dst_block].copy_(s[src_block], non_blocking=True)
+                    for a, b in pairs:
+                        d[b].copy_(s[a], non_blocking=True)
             compute.wait_stream(self.stream)

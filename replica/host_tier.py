@@ -22,24 +22,26 @@ demote, promote or drop, and a ``BlockMover`` copies the bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
 
 
 class BlockMover(Protocol):
-    """Copies one block's KV between the device pool and the host slots."""
+    """Copies blocks' KV between the device pool and the host slots, a batch per call
+    (pairs by position; no target repeats within a call)."""
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block's KV takes (all layers, K and V): what each copy moves."""
         ...
 
-    def demote(self, device_block: int, host_slot: int) -> None:
-        """Copy device block -> host slot. The device block may be rewritten by the next
-        step, so the copy must be ordered before it (see ``replica.host_pool``)."""
+    def demote(self, device_blocks: Sequence[int], host_slots: Sequence[int]) -> None:
+        """Copy device blocks -> host slots. The device blocks may be rewritten by the
+        next step, so the copies must be ordered before it (see ``replica.host_pool``)."""
         ...
 
-    def promote(self, host_slot: int, device_block: int) -> None:
-        """Copy host slot -> device block, ordered before the next step reads it."""
+    def promote(self, host_slots: Sequence[int], device_blocks: Sequence[int]) -> None:
+        """Copy host slots -> device blocks, ordered before the next step reads them."""
         ...
 
 

@@ -172,10 +172,10 @@ class PrefixCache:
         k = min(len(on_host), len(self._free) + len(self._policy))
         fresh = self.allocate(k)  # the match's own blocks are pinned: never victims
         refs = self._refs
+        mover.promote([host.slot(ids[i]) for i in on_host[:k]], fresh)
         for i, dst in zip(on_host, fresh, strict=False):
             src = ids[i]
             assert refs[src] == 1, f"host block {src} held {refs[src]} times"
-            mover.promote(host.slot(src), dst)
             self._index.move(src, dst)
             refs[src] = 0
             host.give_back(src)
@@ -205,7 +205,7 @@ class PrefixCache:
         pop_free = self._free.popitem
         out = [pop_free(last=False)[0] for _ in range(min(n, free))]
         removed: list[bytes] = []
-        demoted: list[int] = []  # host ids that received a block
+        demoted: dict[int, int] = {}  # host id -> the device block whose KV it receives
         evict = n - len(out)
         for _ in range(evict):
             victim = self._policy.pop()
@@ -220,6 +220,11 @@ class PrefixCache:
         for block_id in out:
             refs[block_id] = 1
         self._pinned += n
+        if demoted:  # one batch of copies, before the caller can write the victims
+            assert self._host is not None and self._mover is not None
+            slots = [self._host.slot(host_id) for host_id in demoted]
+            self._mover.demote(list(demoted.values()), slots)
+            self._stats.demotions += len(demoted)  # copies made (bytes_to_host)
         if removed and self._listener is not None:
             self._listener.on_removed(removed)
         for host_id in demoted:
@@ -387,10 +392,11 @@ class PrefixCache:
     def _on_idle_host(self, block_id: int) -> bool:
         return self._host is not None and self._host.holds(block_id) and not self._refs[block_id]
 
-    def _demote(self, victim: int, removed: list[bytes], demoted: list[int]) -> bool:
+    def _demote(self, victim: int, removed: list[bytes], demoted: dict[int, int]) -> bool:
         """Move an evicted device block's content to the host tier (dropping the host's
-        oldest idle block when it is full, its key into ``removed``; the host id into
-        ``demoted``); False when there is no host tier or every host block is held."""
+        oldest idle block when it is full, its key into ``removed``) and record the copy
+        to make in ``demoted`` (a host id taken again later in the same batch gets only
+        the last copy); False when there is no host tier or every host block is held."""
         host, mover = self._host, self._mover
         if host is None or mover is None or not host.can_take:
             return False
@@ -401,11 +407,9 @@ class PrefixCache:
             if key is not None:
                 removed.append(key)
             self._stats.host_evictions += 1
-        mover.demote(victim, host.slot(slot))
         self._index.move(victim, slot)
         host.push(slot)
-        demoted.append(slot)
-        self._stats.demotions += 1
+        demoted[slot] = victim
         return True
 
     def _emit_moved(self, block_id: int, medium: Medium) -> None:

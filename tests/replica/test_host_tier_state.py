@@ -12,6 +12,8 @@ ever moved (the mover refuses to demote one).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
@@ -37,19 +39,23 @@ class ModelMover:
         self.demoted = 0
         self.promoted = 0
 
-    def demote(self, device_block: int, host_slot: int) -> None:
+    def demote(self, device_blocks: Sequence[int], host_slots: Sequence[int]) -> None:
         machine = self.machine
-        assert 0 <= device_block < NUM_BLOCKS and 0 <= host_slot < machine.host_blocks
-        assert device_block not in machine.held(), f"pinned block {device_block} was demoted"
-        machine.truth[NUM_BLOCKS + host_slot] = machine.truth.get(device_block)
-        self.demoted += 1
+        assert len(device_blocks) == len(host_slots) == len(set(host_slots))
+        for device_block, host_slot in zip(device_blocks, host_slots, strict=True):
+            assert 0 <= device_block < NUM_BLOCKS and 0 <= host_slot < machine.host_blocks
+            assert device_block not in machine.held(), f"pinned block {device_block} demoted"
+            machine.truth[NUM_BLOCKS + host_slot] = machine.truth.get(device_block)
+            self.demoted += 1
 
-    def promote(self, host_slot: int, device_block: int) -> None:
+    def promote(self, host_slots: Sequence[int], device_blocks: Sequence[int]) -> None:
         machine = self.machine
-        assert 0 <= device_block < NUM_BLOCKS and 0 <= host_slot < machine.host_blocks
-        assert device_block not in machine.held(), f"promoted into pinned block {device_block}"
-        machine.truth[device_block] = machine.truth.get(NUM_BLOCKS + host_slot)
-        self.promoted += 1
+        assert len(device_blocks) == len(host_slots) == len(set(device_blocks))
+        for host_slot, device_block in zip(host_slots, device_blocks, strict=True):
+            assert 0 <= device_block < NUM_BLOCKS and 0 <= host_slot < machine.host_blocks
+            assert device_block not in machine.held(), f"promoted into pinned {device_block}"
+            machine.truth[device_block] = machine.truth.get(NUM_BLOCKS + host_slot)
+            self.promoted += 1
 
 
 class IndexFeed:
