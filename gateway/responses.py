@@ -34,6 +34,7 @@ from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import ChatCompletionRequest, OpenAIError, parse_request
 from prefixgate.wire_responses import ResponsesRequest, chat_body
+from router.conversation import conversation_key
 from router.router import Decision, NoHealthyReplica
 
 log = logging.getLogger("prefixgate.gateway")
@@ -150,7 +151,12 @@ class Target(NamedTuple):
 
 
 async def _target(
-    state: GatewayState, req: ResponsesRequest, affinity: ResponseAffinity, salt: str, tenant: str
+    state: GatewayState,
+    req: ResponsesRequest,
+    affinity: ResponseAffinity,
+    salt: str,
+    tenant: str,
+    conversation: str | None,
 ) -> Target:
     previous = req.previous_response_id
     if previous is not None:
@@ -173,7 +179,7 @@ async def _target(
     prompt = await state.keys.keys(chat, req.model, block_size, salt)
     try:
         decision = state.router.route(
-            prompt.keys, req.prompt_cache_key, model=req.model, prompt_tokens=prompt.prompt_tokens
+            prompt.keys, conversation, model=req.model, prompt_tokens=prompt.prompt_tokens
         )
     except NoHealthyReplica:
         raise OpenAIError(
@@ -213,7 +219,9 @@ async def create(
             body.pop("cache_salt", None)
         else:
             body["cache_salt"] = salt
-    target = await _target(state, req, affinity, salt or "", tenant.name)
+    # prompt_cache_key, X-Conversation-Id / session_id or user, scoped by tenant, as chats
+    conversation = state.auth.scoped_conversation(tenant, conversation_key(body, headers))
+    target = await _target(state, req, affinity, salt or "", tenant.name, conversation)
     raw = json.dumps(body, separators=(",", ":")).encode()
     sent = forward_headers(headers, ex.request_id, state.auth.open)
     rid = target.decision.replica_id
