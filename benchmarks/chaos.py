@@ -171,6 +171,8 @@ async def redis_outage(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     stop = asyncio.Event()
     load = _load(cfg, cluster, stop)
     await asyncio.sleep(cfg.warm_s)
+    logs = _log_paths(cluster)
+    offsets = {name: path.stat().st_size for name, path in logs.items()}
     cluster.kill_redis()
     await asyncio.sleep(cfg.redis_down_s)
     await asyncio.to_thread(cluster.start_redis)
@@ -180,10 +182,35 @@ async def redis_outage(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     row = Row.of(f"Redis killed {cfg.redis_down_s:g} s, restarted", tally)
     row.check(row.failed == 0 and row.hung == 0, f"failed+hung: {row.failed + row.hung}")
     stale = await asyncio.to_thread(cluster.stale_blocks)
-    resyncs = (await asyncio.to_thread(cluster.router_stats)).get("sequence_gaps")
-    row.checks.append(f"gateway resyncs from snapshots: {resyncs}")
+    gaps = (await asyncio.to_thread(cluster.router_stats)).get("sequence_gaps")
+    row.checks.append(f"event sequence gaps seen by the gateway: {gaps}")
+    since = {name: _read_from(path, offsets[name]) for name, path in logs.items()}
+    resynced = _GATEWAY_RESYNC in since.pop("gateway")
+    republished = sum(_REPLICA_REPUBLISH in text for text in since.values())
+    row.check(resynced, f"gateway resynced every replica from its snapshot: {resynced}")
+    row.check(
+        republished == cfg.replicas,
+        f"replicas that re-published a snapshot: {republished}/{cfg.replicas}",
+    )
     row.check(all(n == 0 for n in stale.values()), f"gateway blocks beyond replica's: {stale}")
     return row
+
+
+# What the gateway (router/sync.py) and each replica's publisher log once Redis is back.
+_GATEWAY_RESYNC = "Redis reachable again; resyncing"
+_REPLICA_REPUBLISH = "is back; re-publishing a fresh snapshot"
+
+
+def _log_paths(cluster: ChaosCluster) -> dict[str, Path]:
+    names = ["gateway", *(f"replica-{i}" for i in range(cluster.args.replicas))]
+    return {name: cluster.run_dir / f"{name}.log" for name in names}
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """What ``path`` gained after ``offset`` (logs are appended to across runs)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 async def gateway_restart(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
