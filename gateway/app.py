@@ -143,6 +143,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.gather(*state.tasks, return_exceptions=True)
         if state.sync is not None:
             await state.sync.aclose()
+        await app.state.response_affinity.aclose()
         await state.client.aclose()
         await state.upstream.aclose()
 

@@ -97,6 +97,11 @@ class ResponseAffinity:
         replica_id, conversation, tenant = [*raw.decode().split("\n"), "", ""][:3]
         return Owner(replica_id, conversation or response_id, tenant)
 
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
     async def forget(self, response_id: str) -> None:
         self.local.pop(response_id, None)
         client = self._redis()
