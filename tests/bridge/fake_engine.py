@@ -71,7 +71,8 @@ class FakeEngine:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        self._ready.wait(5)
+        if not self._ready.wait(15):
+            raise RuntimeError(f"the fake engine's sockets did not come up on {self.endpoint}")
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -87,20 +88,20 @@ class FakeEngine:
 
     def close(self) -> None:
         self.stop()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)
 
     def _run(self) -> None:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         if "*" in self.endpoint:
-            pub.bind(self.endpoint)
+            bind_again(pub, self.endpoint)
         else:
             pub.connect(self.endpoint)
         router = None
         if self.replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            router.bind(self.replay_endpoint)
+            bind_again(router, self.replay_endpoint)
         buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
         seq = 0
         self._ready.set()
@@ -206,6 +207,20 @@ class FakeEngine:
     def clear(self) -> None:
         self.cached.clear()
         self.publish([self._event("AllBlocksCleared", {})])
+
+
+def bind_again(socket: zmq.Socket[bytes], endpoint: str, timeout_s: float = 10.0) -> None:
+    """Bind, retrying while the previous life's socket still holds the port (ZMQ closes
+    listeners asynchronously, so a restart within milliseconds can find it taken)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)  # the old listener closes on ZMQ's I/O thread
 
 
 class FakeEngineHTTP:
