@@ -15,7 +15,8 @@ Block states (``check_invariants`` asserts the partition):
 With a host tier (``replica.host_tier``, ids after the device blocks) evicting a device
 block demotes its content to a host slot instead of dropping it, and a match that reaches
 host blocks is promoted back (``promote``) before the request's prefill. Pinned blocks
-never move; a key is in one tier at a time.
+never move; a key is in one tier at a time. The TTL (``sweep``) drops idle device blocks
+(it does not demote them); host blocks leave by promotion, host eviction or ``clear``.
 
 Cached-token arithmetic for a prompt of n tokens, B = 4 (``|`` = block edges):
 
@@ -400,6 +401,7 @@ class PrefixCache:
         host, mover = self._host, self._mover
         if host is None or mover is None or not host.can_take:
             return False
+        assert not self._refs[victim], f"pinned block {victim} cannot move to the host"
         slot = host.take_free()
         if slot is None:
             slot = host.pop_victim()
