@@ -186,17 +186,25 @@ class RedisSync:
     # ----------------------------------------------------------------------- events
 
     async def _resync(self, replica_id: str) -> None:
-        """Rebuild the replica's view from its snapshot, then read its stream from the start
-        (events the snapshot already holds are skipped by their seq)."""
-        raw: Any = await self._require_client().get(snapshot_key(replica_id))
+        """Rebuild the replica's view from its snapshot and the stream's events after it.
+
+        Both are read in one transaction and applied together, with no await between: a
+        snapshot is older than the stream, so applied alone it would stand for a moment
+        in place of newer events already folded in (after a prefix cache reset: the
+        cleared blocks back, ``last_seq`` behind the reset's seq)."""
+        pipe = self._require_client().pipeline(transaction=True)
+        pipe.get(snapshot_key(replica_id))
+        pipe.xrange(events_stream_key(replica_id))
+        raw, entries = await pipe.execute()
         if raw is None:
             self.router.reset_replica_view(replica_id)
             self._without_snapshot.add(replica_id)
         else:
             self.router.apply_snapshot(replica_id, decode_snapshot(raw))
             self._without_snapshot.discard(replica_id)
-        self._stream_ids[replica_id] = "0-0"
         self._need_resync.discard(replica_id)
+        self._stream_ids[replica_id] = "0-0"
+        self._apply_entries(replica_id, entries)  # those the snapshot holds: skipped by seq
         self.resyncs += 1
 
     async def _read_events(self) -> None:
@@ -210,14 +218,17 @@ class RedisSync:
         by_stream = {events_stream_key(rid): rid for rid in self._stream_ids}
         for stream, entries in reply or []:
             replica_id = by_stream.get(as_text(stream))
-            if replica_id is None:
-                continue
-            for entry_id, fields in entries:
-                self._stream_ids[replica_id] = as_text(entry_id)
-                if replica_id in self._need_resync:
-                    break
-                if not self.router.apply_event(replica_id, BlockEvent.decode(fields)):
-                    self._need_resync.add(replica_id)
+            if replica_id is not None:
+                self._apply_entries(replica_id, entries)
+
+    def _apply_entries(self, replica_id: str, entries: Any) -> None:
+        """Fold in stream entries in order until a sequence gap (then a resync is due)."""
+        for entry_id, fields in entries:
+            self._stream_ids[replica_id] = as_text(entry_id)
+            if replica_id in self._need_resync:
+                break
+            if not self.router.apply_event(replica_id, BlockEvent.decode(fields)):
+                self._need_resync.add(replica_id)
 
     # ----------------------------------------------------------------------- hints
 

@@ -114,6 +114,35 @@ async def test_registry_expiry_removes_a_discovered_replica_not_a_static_one(
         await sync.aclose()
 
 
+async def test_a_resync_never_shows_an_older_snapshot_in_place_of_newer_events(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    """The snapshot lags the stream: a resync (registry return, reconnect, gap) that
+    applied it alone would, until the stream was read again, bring back the blocks a
+    prefix cache reset cleared and put ``last_seq`` behind the reset's seq."""
+    await register(client, "r0")
+    await publish(client, "r0", BlockEvent(1, "stored", tuple(CHAIN[:2])))
+    blocks = [SnapshotBlock(None, CHAIN[0]), SnapshotBlock(CHAIN[0], CHAIN[1])]
+    await client.set(snapshot_key("r0"), encode_snapshot(1, blocks))
+    await publish(client, "r0", BlockEvent(2, "cleared"))  # the reset
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    await sync.start()
+    try:
+        await wait_until_async(
+            lambda: router.replicas["r0"].last_seq == 2, what="the cleared event folded in"
+        )
+        await sync._resync("r0")  # the follow loop's own rebuild, at a known moment
+        view = router.stats()["replicas"]["r0"]
+        assert (view["blocks"], view["last_seq"]) == (0, 2)
+        await publish(client, "r0", BlockEvent(3, "stored", (CHAIN[0],)))
+        await wait_until_async(lambda: matched(router, "r0") == 1, what="event 3 folded in")
+        assert router.stats()["sequence_gaps"] == 0
+        router.check_invariants()
+    finally:
+        await sync.aclose()
+
+
 async def test_redis_restart_keeps_routing_then_reconnects_and_resyncs(
     redis_server: RedisServer,
 ) -> None:
