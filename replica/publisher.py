@@ -272,9 +272,10 @@ class Publisher:
         with self._lock:
             self._need_snapshot = False
             self._seq_at_snapshot = seq
-            # Events up to seq are folded into the snapshot; readers skip them anyway.
-            while self._pending and self._pending[0].seq <= seq:
-                self._pending.popleft()
+            # Queued events stay queued even if the snapshot holds them: a gateway that
+            # follows the stream sees a missing event only when a later one arrives, so the
+            # last events before a quiet spell (a reset's ``cleared``) would never reach it.
+            # A gateway resyncing from this snapshot skips them by their seq.
         self.stats.snapshots_written += 1
 
     async def _heartbeat_loop(self) -> None:

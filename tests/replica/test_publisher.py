@@ -127,6 +127,33 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
     _run(scenario)
 
 
+def test_events_a_snapshot_holds_still_reach_the_stream(redis_server: RedisServer) -> None:
+    """A gateway following the stream notices a missing event only when a later one
+    arrives: events queued while a snapshot is due must still be written, or the last ones
+    before a quiet spell (here a reset's ``cleared``) never reach it."""
+    client = redis.Redis.from_url(redis_server.url)
+    pub = Publisher(_config(redis_server.url, snapshot_interval_s=60.0))
+    a, b = _key(0), _key(1)
+    # Queued before the first write, which is a snapshot (seq 3, nothing cached).
+    _in_thread(lambda: pub.on_stored(None, [a, b]))
+    _in_thread(lambda: pub.on_removed([b]))
+    _in_thread(pub.on_cleared)
+
+    async def scenario() -> None:
+        await pub.start(ReplicaLoad)
+        await wait_until_async(lambda: len(_events(client)) == 3, what="the queued events")
+        snap = decode_snapshot(client.get(snapshot_key(RID)))  # type: ignore[arg-type]
+        assert (snap.seq, snap.blocks) == (3, [])
+        assert [(e.seq, e.type) for e in _events(client)] == [
+            (1, "stored"),
+            (2, "removed"),
+            (3, "cleared"),
+        ]
+        await pub.stop()
+
+    _run(scenario)
+
+
 def test_snapshot_orders_parents_first_after_a_parent_is_restored() -> None:
     pub = Publisher(_config("redis://127.0.0.1:1/0"))
     a, b, c = _key(1), _key(2), _key(3)
