@@ -41,6 +41,7 @@ class Job:
     include_usage: bool
     echo_prefix: str = ""  # completions with echo=true: the prompt text goes first
     parse_tools: bool = False  # tool choice auto with a parser: tool calls from the text
+    single_tool_call: bool = False  # parallel_tool_calls false: the first call only
 
     @property
     def engine_request_id(self) -> str:
@@ -92,6 +93,7 @@ def job_from_chat(body: object, replica: Replica) -> Job:
         stream=req.stream,
         include_usage=req.include_usage,
         parse_tools=parse_tools,
+        single_tool_call=req.parallel_tool_calls is False,
     )
 
 

@@ -132,7 +132,9 @@ def _full_body(job: Job, output: RequestOutput) -> dict[str, Any]:
     body = build(job.response_id, job.model, job.created, choices, use)
     if job.parse_tools:
         for choice, out in zip(body["choices"], output.choices, strict=True):
-            choice["message"], choice["finish_reason"] = parsed_message(out.text, out.finish_reason)
+            choice["message"], choice["finish_reason"] = parsed_message(
+                out.text, out.finish_reason, job.single_tool_call
+            )
     return body
 
 
@@ -140,7 +142,11 @@ async def _stream(
     job: Job, handle: RequestHandle, clock: JobClock, replica: Replica
 ) -> AsyncIterator[bytes]:
     finished = False
-    tools = ToolCallChunks(job.response_id, job.model, job.created) if job.parse_tools else None
+    tools = (
+        ToolCallChunks(job.response_id, job.model, job.created, job.single_tool_call)
+        if job.parse_tools
+        else None
+    )
     try:
         for index in range(job.params.n):
             if job.chat:

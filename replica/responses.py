@@ -93,6 +93,7 @@ class Turn:
         """The whole response; stored with its conversation when ``store``."""
         text = out.choices[0].text
         content, calls = parse_hermes(text) if self.job.parse_tools else (text, [])
+        calls = calls[:1] if self.job.single_tool_call else calls
         items = ([message_item(_id("msg"), content)] if content else []) + [
             function_item(call) for call in calls
         ]
@@ -212,6 +213,8 @@ async def _events(turn: Turn, handle: RequestHandle, replica: Replica) -> AsyncI
                 delta=content,
             )
         for call in done:
+            if turn.job.single_tool_call and calls:
+                break  # parallel_tool_calls false: the first call only, as vLLM does
             calls.append(call)
             item = function_item(call)
             index = len(calls) - (0 if text else 1)

@@ -14,15 +14,19 @@ from replica import openai_format as fmt
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
 
 
-def parsed_message(text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
-    """A finished choice's ``message`` and finish reason (``tool_calls`` when it called)."""
+def parsed_message(
+    text: str, finish_reason: str, single_call: bool = False
+) -> tuple[dict[str, Any], str]:
+    """A finished choice's ``message`` and finish reason (``tool_calls`` when it called);
+    ``single_call`` (``parallel_tool_calls: false``) keeps the first call, as vLLM does."""
     parsed = parse_hermes(text)
+    calls = parsed.calls[:1] if single_call else parsed.calls
     message: dict[str, Any] = {
         "role": "assistant",
         "content": parsed.content,
-        "tool_calls": [call.as_dict() for call in parsed.calls],
+        "tool_calls": [call.as_dict() for call in calls],
     }
-    return message, ("tool_calls" if parsed.calls else finish_reason)
+    return message, ("tool_calls" if calls else finish_reason)
 
 
 @dataclass(slots=True)
@@ -32,6 +36,7 @@ class ToolCallChunks:
     response_id: str
     model: str
     created: int
+    single_call: bool = False  # parallel_tool_calls false: only the first call is sent
     streams: dict[int, HermesStream] = field(default_factory=dict)
 
     def chunks(self, index: int, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
@@ -47,6 +52,8 @@ class ToolCallChunks:
             out.append(self._chunk(index, content=content))
         first = len(stream.calls) - len(calls)
         for offset, call in enumerate(calls):
+            if self.single_call and first + offset > 0:
+                break
             out.append(self._chunk(index, call=call, call_index=first + offset))
         if finish_reason is not None:
             reason = "tool_calls" if stream.calls else finish_reason

@@ -49,3 +49,18 @@ def test_streams_agree_with_whole_outputs_at_every_cut(text: str) -> None:
         content, calls = content + tail, calls + more
         assert (content or None) == whole.content, step
         assert _calls(calls) == _calls(whole.calls) and calls == stream.calls
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    from replica.tool_output import ToolCallChunks, parsed_message
+
+    message, reason = parsed_message(TWO, "stop", single_call=True)
+    assert reason == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == [
+        "f"
+    ]
+    both, _ = parsed_message(TWO, "stop")
+    assert len(both["tool_calls"]) == 2
+    chunks = ToolCallChunks("id", "m", 0, single_call=True).chunks(0, TWO, "stop")
+    sent = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in sent] == ["f"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
