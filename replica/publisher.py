@@ -92,6 +92,7 @@ class Publisher:
         # Guarded by _lock: the event counter, the key mirror, the queue to Redis.
         self._seq = 0
         self._mirror: dict[bytes, bytes | None] = {}  # short key → short parent
+        self._on_host: set[bytes] = set()  # mirrored keys on the host tier
         self._pending: deque[BlockEvent] = deque()
         self._need_snapshot = True
         self._seq_at_snapshot = 0
@@ -120,6 +121,10 @@ class Publisher:
             for k in shorts:
                 self._mirror[k] = prev
                 prev = k
+            if medium == "host":
+                self._on_host.update(shorts)
+            elif self._on_host:
+                self._on_host.difference_update(shorts)
             event = BlockEvent(self._next_seq(), "stored", shorts, first_parent, medium)
             self._enqueue(event)
 
@@ -130,11 +135,13 @@ class Publisher:
         with self._lock:
             for k in shorts:
                 self._mirror.pop(k, None)
+                self._on_host.discard(k)
             self._enqueue(BlockEvent(self._next_seq(), "removed", shorts))
 
     def on_cleared(self) -> None:
         with self._lock:
             self._mirror.clear()
+            self._on_host.clear()
             self._enqueue(BlockEvent(self._next_seq(), "cleared"))
 
     def _next_seq(self) -> int:
@@ -155,6 +162,7 @@ class Publisher:
         with self._lock:
             seq = self._seq
             mirror = dict(self._mirror)
+            on_host = set(self._on_host)
         out: list[SnapshotBlock] = []
         emitted: set[bytes] = set()
         for key in mirror:
@@ -165,7 +173,8 @@ class Publisher:
                 path.append(k)
                 k = mirror[k]
             for node in reversed(path):
-                out.append(SnapshotBlock(mirror[node], node))
+                medium: Medium = "host" if node in on_host else "device"
+                out.append(SnapshotBlock(mirror[node], node, medium))
                 emitted.add(node)
         return seq, out
 

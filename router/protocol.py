@@ -255,6 +255,7 @@ def as_text(value: str | bytes) -> str:
 class SnapshotBlock(NamedTuple):
     parent: bytes | None
     key: bytes
+    medium: Medium = "device"  # the KV tier the block is in
 
 
 class Snapshot(NamedTuple):
@@ -267,14 +268,16 @@ _SNAPSHOT_MAGIC = b"PGS1"
 
 def encode_snapshot(seq: int, blocks: Iterable[SnapshotBlock]) -> bytes:
     """``PGS1 ‖ u64le(seq) ‖ records``; a record is ``flag ‖ parent16 ‖ key16`` where
-    flag 1 means the block has a parent and 0 that it starts at the root (parent bytes
-    then are zero and ignored). Parents come before their children."""
+    flag bit 0 set means the block has a parent and clear that it starts at the root
+    (parent bytes then are zero and ignored), and bit 1 set that the block is on the
+    host tier. Parents come before their children."""
     out = bytearray(_SNAPSHOT_MAGIC)
     out += seq.to_bytes(8, "little")
     zero = bytes(SHORT_KEY_BYTES)
-    for parent, key in blocks:
+    for parent, key, medium in blocks:
         _check_short((key,) if parent is None else (parent, key))
-        out += b"\x01" + parent if parent is not None else b"\x00" + zero
+        flag = (parent is not None) | (medium == "host") << 1
+        out += bytes((flag,)) + (parent if parent is not None else zero)
         out += key
     return bytes(out)
 
@@ -289,9 +292,12 @@ def decode_snapshot(raw: bytes) -> Snapshot:
         raise ValueError("truncated snapshot")
     blocks = []
     for i in range(0, len(body), width):
-        has_parent = body[i] == 1
-        parent = body[i + 1 : i + 1 + SHORT_KEY_BYTES] if has_parent else None
-        blocks.append(SnapshotBlock(parent, body[i + 1 + SHORT_KEY_BYTES : i + width]))
+        flag = body[i]
+        if flag > 3:
+            raise ValueError(f"bad snapshot record flag {flag}")
+        parent = body[i + 1 : i + 1 + SHORT_KEY_BYTES] if flag & 1 else None
+        medium: Medium = "host" if flag & 2 else "device"
+        blocks.append(SnapshotBlock(parent, body[i + 1 + SHORT_KEY_BYTES : i + width], medium))
     return Snapshot(seq, blocks)
 
 

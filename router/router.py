@@ -383,7 +383,7 @@ class Router:
             return
         self.index.clear(replica_id)
         for block in snapshot.blocks:
-            self.index.insert(replica_id, (block.key,))
+            self.index.insert(replica_id, (block.key,), medium=block.medium)
         view.last_seq = snapshot.seq
         view.publishes_events = True
 

@@ -7,7 +7,14 @@ import pytest
 
 from router.config import RouterConfig
 from router.index import PrefixIndex
-from router.protocol import BlockEvent, KeySpace
+from router.protocol import (
+    BlockEvent,
+    KeySpace,
+    Snapshot,
+    SnapshotBlock,
+    decode_snapshot,
+    encode_snapshot,
+)
 from router.router import Router
 
 SPACE = KeySpace("m")
@@ -68,3 +75,18 @@ def test_cost_model_prices_a_host_match_as_a_copy(order: tuple[str, ...]) -> Non
     decision = router.route(prompt, prompt_tokens=48 * 16)
     assert decision.replica_id == "host" and decision.matched_blocks == 40
     router.index.check_invariants()
+
+
+def test_snapshot_carries_the_tier_and_old_records_read_as_device() -> None:
+    a, b, c = shorts(1, 2, 3)
+    blocks = [SnapshotBlock(None, a), SnapshotBlock(a, b, "host"), SnapshotBlock(b, c, "host")]
+    raw = encode_snapshot(9, blocks)
+    assert decode_snapshot(raw) == Snapshot(9, blocks)
+    assert decode_snapshot(encode_snapshot(9, blocks[:1])).blocks[0].medium == "device"
+    with pytest.raises(ValueError, match="flag"):
+        decode_snapshot(raw[:12] + b"\x07" + raw[13:])
+    router = Router(RouterConfig(), seed=0)
+    router.add_replica("r", "http://r", model="m", static=True)
+    router.apply_snapshot("r", decode_snapshot(raw))
+    assert router.index.match([a, b, c]) == {"r": 3}
+    assert router.index.host_blocks("r", [a, b, c]) == 2
