@@ -9,7 +9,9 @@ agree, and both agree with a vLLM engine serving the same template:
   dict (what tool-use templates expect; invalid JSON or a non-object becomes ``{}``, as
   vLLM does so that a conversation with one bad call can go on); an empty list is dropped;
 * ``tool_call_id`` on tool messages and ``name`` on any message are kept;
-* ``developer`` is rendered as ``system`` (templates know no developer role);
+* ``developer`` messages keep their role and carry ``tools`` (null unless sent); a
+  template that never names the developer role gets them as ``system`` messages, all
+  system messages merged into the first (``prefixgate.tokenizer``, as vLLM does);
 * ``tools`` as ``prefixgate.tools.tool_dicts``; ``documents``,
   ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
   passed through as transformers' ``apply_chat_template`` passes them.
@@ -26,7 +28,7 @@ from prefixgate.wire import ChatCompletionRequest, ChatMessage, OpenAIError
 
 # Template variables the request may not set through chat_template_kwargs: the renderer
 # sets them itself.
-RESERVED_TEMPLATE_VARS = frozenset({"messages", "chat_template"})
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "chat_template", "tokenize"})
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,8 +88,7 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
 
 def conversation_message(message: ChatMessage) -> dict[str, Any]:
     """One message as vLLM hands it to the template."""
-    role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": message_text(message)}
+    out: dict[str, Any] = {"role": message.role, "content": message_text(message)}
     if message.role == "assistant" and message.tool_calls:
         out["tool_calls"] = [
             {
@@ -103,7 +104,29 @@ def conversation_message(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
+    if message.role == "developer":
+        out["tools"] = (message.model_extra or {}).get("tools")
     return out
+
+
+def without_developer_role(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For a template that knows no developer role (vLLM's rule): developer messages
+    become system messages (without ``tools``), and when a system message is not first
+    or there are several, they are merged into one at the front, joined by blank lines."""
+    if not any(m["role"] == "developer" for m in messages):
+        return messages
+    converted = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in messages
+    ]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return converted
+    contents = [converted[i]["content"] for i in systems if converted[i]["content"]]
+    rest = [m for m in converted if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(contents)}, *rest]
 
 
 def message_text(message: ChatMessage) -> str:

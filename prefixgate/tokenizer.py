@@ -23,7 +23,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from prefixgate.chat_input import ChatInput
+from prefixgate.chat_input import ChatInput, without_developer_role
 from prefixgate.models import ensure_tokenizer_dir
 from prefixgate.wire import OpenAIError
 
@@ -155,6 +155,7 @@ class ChatTokenizer:
         self.chat_template: str | None = None
         self._template: jinja2.Template | None = None
         self.template_reads: frozenset[str] = frozenset()
+        self.developer_role = False
         self.set_chat_template(chat_template)
         self.eos_token_ids = eos_token_ids
         bos = special_tokens.get("bos_token")
@@ -196,6 +197,10 @@ class ChatTokenizer:
         self.chat_template = source
         self._template = compile_chat_template(source) if source else None
         self.template_reads = template_variables(source) if source else frozenset()
+        # vLLM's test: a template that names the role handles developer messages itself.
+        self.developer_role = source is not None and (
+            '"developer"' in source or "'developer'" in source
+        )
 
     @property
     def template_ignores_tools(self) -> bool:
@@ -216,8 +221,11 @@ class ChatTokenizer:
                 "the server with --chat-template FILE",
                 param="messages",
             )
+        variables = chat.variables()
+        if not self.developer_role:
+            variables["messages"] = without_developer_role(variables["messages"])
         try:
-            rendered = self._template.render({**self.special_tokens, **chat.variables()})
+            rendered = self._template.render({**self.special_tokens, **variables})
         except jinja2.exceptions.TemplateError as error:
             raise ChatTemplateError(
                 f"the model's chat template rejected the messages: {error}", param="messages"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from prefixgate.chat_input import ChatInput, chat_input
+from prefixgate.chat_input import ChatInput, chat_input, without_developer_role
 from prefixgate.models import ensure_tokenizer_dir
 from prefixgate.segments import SegmentCache
 from prefixgate.tokenizer import ChatTemplateError, ChatTokenizer
@@ -130,8 +130,11 @@ def test_rendered_ids_match_transformers(
         continue_final_message=chat.continue_final_message,
         **chat.template_kwargs,
     )
-    text: Any = reference.apply_chat_template(chat.messages, tokenize=False, **kwargs)
-    encoded: Any = reference.apply_chat_template(chat.messages, tokenize=True, **kwargs)
+    # what vLLM hands transformers: the template never names the developer role
+    assert not ours.developer_role
+    messages = without_developer_role(chat.messages)
+    text: Any = reference.apply_chat_template(messages, tokenize=False, **kwargs)
+    encoded: Any = reference.apply_chat_template(messages, tokenize=True, **kwargs)
     assert ours.render(chat) == text
     assert ours.encode_input(chat) == encoded["input_ids"]
     assert SegmentCache(ours).encode_input(chat) == encoded["input_ids"]
@@ -144,7 +147,16 @@ def test_messages_are_converted_as_vllm_converts_them() -> None:
     assert [c["function"]["arguments"] for c in assistant["tool_calls"]] == [{"city": "Paris"}, {}]
     assert assistant["tool_calls"][0]["id"] == "call_1"
     assert tool_1 == {"role": "tool", "content": "21C", "tool_call_id": "call_1"}
-    assert developer["role"] == "system"
+    assert developer == {"role": "developer", "content": "Answer now.", "tools": None}
+    merged = without_developer_role(chat.messages)
+    # a system message that is not first moves to the front (vLLM's consolidation)
+    assert [m["role"] for m in merged] == ["system", "user", "assistant", "tool", "tool"]
+    with_system = chat_input(
+        _request({"messages": [{"role": "system", "content": "S"}, *BODIES[1]["messages"]]})
+    )
+    head, *rest = without_developer_role(with_system.messages)
+    assert head == {"role": "system", "content": "S\n\nAnswer now."}
+    assert all(m["role"] != "system" for m in rest)
     first = chat_input(_request(BODIES[0]))
     assert first.messages[2]["content"] == ""  # content null
     assert first.tools is not None
@@ -189,3 +201,21 @@ def test_bad_requests_are_400s(ours: ChatTokenizer) -> None:
     broken = chat_input(_request({"messages": messages, "documents": [{"title": 1}]}))
     with pytest.raises(ChatTemplateError):
         ours.render(broken)
+
+
+def test_a_template_that_names_the_developer_role_gets_it(
+    reference: PreTrainedTokenizerBase,
+) -> None:
+    source = (
+        "{% for m in messages %}{% if m.role == 'developer' %}[dev]{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    tokenizer = ChatTokenizer.from_dir(ensure_tokenizer_dir("tiny-random"))
+    tokenizer.set_chat_template(source)
+    assert tokenizer.developer_role
+    body = {"messages": [{"role": "developer", "content": "D"}, {"role": "user", "content": "U"}]}
+    chat = chat_input(_request(body))
+    expected: Any = reference.apply_chat_template(
+        chat.messages, chat_template=source, tokenize=False, add_generation_prompt=True
+    )
+    assert tokenizer.render(chat) == expected and expected.startswith("[dev]")
