@@ -57,15 +57,20 @@ def _events(client: redis.Redis, replica_id: str) -> list[BlockEvent]:
 def test_tools_on_a_template_that_ignores_them(replica: ReplicaProcess) -> None:
     """tiny-random's own template never reads ``tools``: they are ignored as vLLM ignores
     them, the replica warns once; without --tool-call-parser a tool choice that needs one
-    is a 400 naming the flag."""
+    is a 400 naming the flag. (Its own prompt: later tests expect SYSTEM uncached.)"""
     tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    plain = _chat(replica.client(), "tools ignored")
+    messages: Any = [{"role": "user", "content": "tools ignored by this template"}]
+    client = replica.client()
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     for _ in range(2):
-        out = _chat(replica.client(), "tools ignored", tools=tools, tool_choice="none")
+        out = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, tools=tools, tool_choice="none"
+        )
+        assert out.usage is not None and plain.usage is not None
         assert out.usage.prompt_tokens == plain.usage.prompt_tokens
     assert replica.log_path.read_text().count("never reads `tools`") == 1
     with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
-        _chat(replica.client(), "tools ignored", tools=tools)
+        client.chat.completions.create(model=MODEL, messages=messages, tools=tools)
 
 
 def test_models_and_health(replica: ReplicaProcess) -> None:
