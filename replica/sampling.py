@@ -41,7 +41,7 @@ def sample_token(
     # Sampling runs on CPU in float32: the generator is a CPU one, and reproducibility
     # must not depend on the device's reduction order.
     scores = logits.detach().to(device="cpu", dtype=torch.float32)
-    scores = adjust_logits(scores, params, token_ids, num_prompt)
+    scores = _finite(adjust_logits(scores, params, token_ids, num_prompt))
     if params.greedy:
         return int(torch.argmax(scores).item())
     scores = scores / params.temperature
@@ -51,8 +51,17 @@ def sample_token(
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         scores = _top_p_filter(scores, params.top_p)
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(_finite(scores), dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # every score -inf: nothing left to draw from
+        return int(torch.argmax(logits).item())
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _finite(scores: torch.Tensor) -> torch.Tensor:
+    """Extreme but valid parameters (``repetition_penalty`` 1e-300, a temperature just
+    over the greedy bound) can push scores to inf or NaN: NaN is no candidate, +inf the
+    largest float, so softmax and argmax stay defined."""
+    return torch.nan_to_num(scores, nan=float("-inf"), posinf=torch.finfo(scores.dtype).max)
 
 
 def adjust_logits(

@@ -120,3 +120,15 @@ def test_penalties_follow_openai_and_vllm() -> None:
     assert pres.tolist() == [1.5, -2.5, 1.0, 0.5]  # once per token that occurred
     greedy = SamplingParams(temperature=0.0, frequency_penalty=2.0)
     assert sample_token(scores, greedy, None, [0, 0], 0) == 2  # token 0 penalised by 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 1e-5])
+def test_extreme_penalties_and_temperatures_still_draw_a_token(temperature: float) -> None:
+    # repetition_penalty 1e-300 divides positive logits of seen tokens into +inf and a
+    # temperature at the greedy bound overflows the rest: a token is still drawn.
+    logits = _logits()
+    seen = torch.topk(logits, 3).indices.tolist()
+    params = SamplingParams(temperature=temperature, repetition_penalty=1e-300, seed=0)
+    gen = make_generator(params, 0)
+    token = sample_token(logits, params, gen, seen, len(seen))
+    assert 0 <= token < logits.shape[0]
