@@ -8,7 +8,7 @@ GPU profile, once live on ``--model sim`` replicas behind the real gateway and o
 Both sides replay the very prompts the live client sends (the chat template over each
 session's history), closed loop with the same concurrency and no think time. The
 simulator's compute model is ``ProfileCost``: the profile's step-time function in the
-shape ``simulate.CostModel`` has (a prompt's prefill in chunks of the engine's step
+shape ``sim_cost.CostModel`` has (a prompt's prefill in chunks of the engine's step
 budget; a decode step of ``batch`` sequences at the workload's mean context).
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.simulate import CostModel
+from loadtest.sim_cost import CostModel
 from prefixgate.envflags import env_var
 from replica.sim.profile import COST_FIELDS, SimProfile
 from replica.sim.profiles import builtin_profiles, load_profile
@@ -35,7 +35,7 @@ PREFILL_CHUNK = 512  # the replica's default --max-prefill-tokens
 
 @dataclass(slots=True)
 class ProfileCost(CostModel):
-    """``simulate.CostModel`` with a sim profile's step times (``scale``: the oracle's
+    """``sim_cost.CostModel`` with a sim profile's step times (``scale``: the oracle's
     N× compute divides every time)."""
 
     profile: SimProfile = field(default_factory=lambda: builtin_profiles()["llama3.1-8b-h100"])

@@ -7,7 +7,9 @@ from collections import Counter
 import pytest
 
 from loadtest import skewed_docs
-from loadtest.simulate import CostModel, WordTokenizer, run_comparison, simulate, working_set_blocks
+from loadtest.sim_client import WordTokenizer
+from loadtest.sim_cost import CostModel
+from loadtest.simulate import run_comparison, simulate, working_set_blocks
 from loadtest.workloads import generate
 
 

@@ -1,0 +1,172 @@
+"""The discrete-event loop of a simulated cluster: sessions send turns, the real
+``Router`` places them, ``SimReplica``s serve them on a simulated clock.
+
+Events are ``(time, tie, kind, payload)`` on one heap; ``tie`` keeps equal times in push
+order, so a run is deterministic. Kinds: ``turn`` (a conversation sends its next turn),
+``prefill_done`` (a replica's prefill ends), ``first_token`` (the router hears the
+first byte), ``decode_done`` (a replica's first running reply ends; ignored when the
+replica rescheduled since). The router's ``sweep`` runs at most once per simulated
+second.
+
+Open loop: each session starts at its arrival time. Closed loop (as the replay client):
+``concurrency`` sessions at a time, the next starting when one ends. Either way a
+session's next turn goes ``think_s`` after its previous reply ended.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from loadtest.sim_client import BLOCK_SIZE, MODEL_ID, Conversation, WordTokenizer, reply_tokens
+from loadtest.sim_cost import CostModel
+from loadtest.sim_replica import RouterFeed, SimReplica, SimRequest
+from loadtest.workloads import Session
+from replica.prefix_cache import PrefixCache
+from router.config import RouterConfig
+from router.protocol import block_keys, root_key
+from router.router import Router
+
+
+class SimCluster:
+    def __init__(
+        self,
+        sessions: Sequence[Session],
+        policy: str,
+        n_replicas: int,
+        blocks_per_replica: int,
+        cost: CostModel,
+        *,
+        scale: float,
+        think_s: float,
+        seed: int,
+        config: RouterConfig | None,
+        concurrency: int | None = None,
+        prompts: Sequence[Sequence[list[int]]] | None = None,
+        conversation_keys: bool = True,
+    ) -> None:
+        self.now = 0.0
+        self.conversation_keys = conversation_keys
+        self.cost, self.think_s = cost, think_s
+        self.router = Router(config, policy, clock=lambda: self.now, seed=seed)
+        self.root = root_key(MODEL_ID, BLOCK_SIZE)
+        self.replicas: list[SimReplica] = []
+        for i in range(n_replicas):
+            rid = f"replica-{i}"
+            self.router.add_replica(rid, f"sim://{rid}", MODEL_ID, BLOCK_SIZE, static=True)
+            cache = PrefixCache(
+                blocks_per_replica, BLOCK_SIZE, MODEL_ID, listener=RouterFeed(self.router, rid)
+            )
+            self.replicas.append(SimReplica(rid, cache, scale))
+        self.events: list[tuple[float, int, str, Any]] = []
+        self._tie = 0
+        self.tokenizer = WordTokenizer()
+        convs = [Conversation(s, self.tokenizer.encode(s.system)) for s in sessions]
+        if prompts is not None:
+            for conv, given in zip(convs, prompts, strict=True):
+                if len(given) != len(conv.session.turns):
+                    raise ValueError(f"{conv.session.session_id}: one prompt per turn expected")
+                conv.prompts = given
+        self.backlog: deque[Conversation] = deque()
+        if concurrency is None:
+            for conv in convs:
+                self._push(conv.session.arrival_s, "turn", conv)
+        else:
+            self.backlog.extend(sorted(convs, key=lambda c: c.session.arrival_s))
+            for _ in range(min(concurrency, len(convs))):
+                self._push(0.0, "turn", self.backlog.popleft())
+        self.ttfts: list[float] = []
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.last_sweep = 0.0
+
+    def _push(self, at: float, kind: str, payload: Any) -> None:
+        self._tie += 1
+        heapq.heappush(self.events, (at, self._tie, kind, payload))
+
+    def run(self) -> None:
+        while self.events:
+            at, _tie, kind, payload = heapq.heappop(self.events)
+            for replica in self.replicas:
+                if replica.busy:
+                    replica.busy_s += at - self.now
+            self.now = at
+            if kind == "turn":
+                self._send_turn(payload)
+            elif kind == "prefill_done":
+                self._prefill_done(payload)
+            elif kind == "first_token":
+                self.router.first_byte(payload)
+            elif kind == "decode_done":
+                replica, version = payload
+                if replica.version == version:
+                    self._decode_done(replica)
+            if self.now - self.last_sweep >= 1.0:
+                self.router.sweep()
+                self.last_sweep = self.now
+
+    def _send_turn(self, conv: Conversation) -> None:
+        turn = conv.session.turns[conv.turn]
+        if conv.prompts is None:
+            conv.tokens = conv.tokens + self.tokenizer.encode(turn.user)
+            have = len(conv.keys)
+            parent = conv.keys[-1] if conv.keys else None
+            conv.keys += block_keys(
+                conv.tokens, BLOCK_SIZE, self.root, parent=parent, start_block=have
+            )
+            reply = reply_tokens(conv.session.session_id, conv.turn, turn.max_tokens)
+        else:
+            conv.tokens = list(conv.prompts[conv.turn])
+            conv.keys = block_keys(conv.tokens, BLOCK_SIZE, self.root)
+            reply = conv.given_reply(turn.max_tokens)
+        decision = self.router.route(
+            conv.keys,
+            conversation_key=conv.session.session_id if self.conversation_keys else None,
+            prompt_tokens=len(conv.tokens),
+        )
+        index = int(decision.replica_id.rsplit("-", 1)[1])
+        request = SimRequest(conv, conv.tokens, reply, self.now, index)
+        request.handle = self.router.request_started(
+            decision.replica_id, decision.uncached_tokens, decision.queued_tokens
+        )
+        replica = self.replicas[index]
+        replica.requests += 1
+        replica.queue.append(request)
+        self._start_prefill(replica)
+
+    def _start_prefill(self, replica: SimReplica) -> None:
+        request = replica.start_prefill()
+        if request is None:
+            return
+        self.prompt_tokens += len(request.tokens)
+        self.cached_tokens += request.cached
+        uncached = len(request.tokens) - request.cached
+        self._push(self.now + self.cost.prefill_s(uncached, replica.scale), "prefill_done", replica)
+
+    def _prefill_done(self, replica: SimReplica) -> None:
+        request = replica.finish_prefill(self.now, self.cost)
+        self.ttfts.append(request.first_token_at - request.arrival)
+        self._push(request.first_token_at, "first_token", request.handle)
+        self._reschedule(replica)
+        self._start_prefill(replica)
+
+    def _reschedule(self, replica: SimReplica) -> None:
+        at = replica.reschedule(self.now, self.cost)
+        if at is not None:
+            self._push(at, "decode_done", (replica, replica.version))
+
+    def _decode_done(self, replica: SimReplica) -> None:
+        request = replica.finish_decode(self.now, self.cost)
+        assert request.handle is not None
+        self.router.request_finished(request.handle, ok=True)
+        conv = request.conv
+        conv.tokens = request.tokens + request.reply
+        conv.turn += 1
+        if conv.turn < len(conv.session.turns):
+            self._push(self.now + self.think_s, "turn", conv)
+        elif self.backlog:
+            self._push(self.now, "turn", self.backlog.popleft())
+        self._reschedule(replica)
+        self._start_prefill(replica)

@@ -1,0 +1,34 @@
+"""Compute cost of one simulated replica: prefill per uncached token, decode per batch step.
+
+Defaults are smollm2-135m's costs on a CPU (a 2,000-token prefill ≈ 5.6 s, one decode
+step ≈ 70 ms; see docs/BENCHMARKS.md, "Router: Simulation"):
+
+* prefill costs ``prefill_s_per_token`` per uncached prompt token;
+* decode runs as one continuous batch: a step advances every running request by one
+  token and takes ``decode_s_per_token · (1 + batch_marginal · (b/scale − 1)⁺)`` for b
+  running, so batching makes tokens cheaper but not free.
+
+``scale`` is the replica's compute relative to one real replica: the oracle (one replica
+standing in for N) has ``scale = N``, so its prefill is N× faster and its batches N×
+larger for the same step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CostModel:
+    prefill_s_per_token: float = 0.0028
+    decode_s_per_token: float = 0.070
+    batch_marginal: float = 0.15
+
+    def prefill_s(self, tokens: int, scale: float = 1.0) -> float:
+        """Seconds to prefill ``tokens`` uncached prompt tokens."""
+        return tokens * self.prefill_s_per_token / scale
+
+    def step_s(self, batch: int, scale: float = 1.0) -> float:
+        """Seconds of one decode step with ``batch`` requests running."""
+        extra = max(0.0, batch / scale - 1.0)
+        return self.decode_s_per_token * (1.0 + self.batch_marginal * extra)

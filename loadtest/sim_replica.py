@@ -1,0 +1,155 @@
+"""One simulated replica: a FIFO queue, one prefill at a time, a fluid decode batch, and
+the real ``PrefixCache`` whose events reach the router as Redis would deliver them.
+
+* Prefill is serial and FIFO. A request's prefix match happens when its prefill starts
+  (as in a real scheduler); blocks for prompt + reply are reserved then, and the head of
+  the queue waits while they do not fit (a running request will release some).
+* Decode runs beside the prefill (chunked prefill overlaps it) as one continuous batch.
+  The batch is fluid: ``progress`` (V) is how many tokens each running request has
+  advanced; a request joining at V with an n-token reply ends at V + n, so ``running``
+  is a heap by end. A request's first token comes one decode step after its prefill.
+* When a reply ends, prompt + reply are committed to the cache and the blocks released
+  (tail first, as the engine does).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from loadtest.sim_client import BLOCK_SIZE, Conversation
+from loadtest.sim_cost import CostModel
+from replica.prefix_cache import CacheFull, PrefixCache
+from router.load import InFlight
+from router.protocol import BlockEvent, Medium, short_key
+from router.router import Router
+
+
+@dataclass(slots=True)
+class SimRequest:
+    conv: Conversation
+    tokens: list[int]  # the prompt
+    reply: list[int]
+    arrival: float
+    replica: int = 0
+    cached: int = 0  # prompt tokens matched in the cache when its prefill started
+    block_ids: list[int] = field(default_factory=list)
+    first_token_at: float = 0.0
+    handle: InFlight | None = None  # the router's in-flight record
+
+
+class RouterFeed:
+    """PrefixCache events → Router, as the Redis publisher/sync pair would deliver them
+    (short keys, one seq per replica)."""
+
+    def __init__(self, router: Router, replica_id: str) -> None:
+        self.router, self.replica_id, self.seq = router, replica_id, 0
+
+    def _send(
+        self,
+        event_type: str,
+        keys: Sequence[bytes],
+        parent: bytes | None = None,
+        medium: Medium = "device",
+    ) -> None:
+        self.seq += 1
+        event = BlockEvent(
+            self.seq,
+            event_type,  # type: ignore[arg-type]
+            tuple(short_key(k) for k in keys),
+            short_key(parent) if parent is not None else None,
+            medium,
+        )
+        assert self.router.apply_event(self.replica_id, event)
+
+    def on_stored(self, parent: bytes | None, keys: list[bytes], medium: Medium = "device") -> None:
+        self._send("stored", keys, parent, medium)
+
+    def on_removed(self, keys: list[bytes]) -> None:
+        self._send("removed", keys)
+
+    def on_cleared(self) -> None:
+        self._send("cleared", ())
+
+
+@dataclass(slots=True)
+class SimReplica:
+    replica_id: str
+    cache: PrefixCache
+    scale: float  # compute relative to one real replica (see ``CostModel``)
+    queue: deque[SimRequest] = field(default_factory=deque)
+    prefilling: SimRequest | None = None
+    running: list[tuple[float, int, SimRequest]] = field(default_factory=list)  # heap by V end
+    progress: float = 0.0  # V: tokens each running request has advanced (fluid batch)
+    progress_at: float = 0.0
+    version: int = 0  # bumped on every reschedule; a stale decode-done event is ignored
+    requests: int = 0
+    busy_s: float = 0.0  # time with a prefill or a decode batch running
+
+    @property
+    def busy(self) -> bool:
+        return self.prefilling is not None or bool(self.running)
+
+    def start_prefill(self) -> SimRequest | None:
+        """Start prefilling the queue's head if none is prefilling and its blocks fit."""
+        if self.prefilling is not None or not self.queue:
+            return None
+        request = self.queue[0]
+        cache, n = self.cache, len(request.tokens)
+        match = cache.match(request.tokens)
+        held = list(match.block_ids)
+        if match.cached_tokens % BLOCK_SIZE:  # a shared partial block: copy-on-write
+            cache.release(held[-1:])
+            held = held[:-1]
+        need = math.ceil((n + len(request.reply)) / BLOCK_SIZE) - len(held)
+        try:
+            fresh = cache.allocate(need)
+        except CacheFull:
+            cache.release(held)  # wait for a running request to free blocks
+            return None
+        self.queue.popleft()
+        request.block_ids = held + fresh
+        request.cached = match.cached_tokens
+        self.prefilling = request
+        return request
+
+    def finish_prefill(self, now: float, cost: CostModel) -> SimRequest:
+        """Commit the prompt and move the request into the decode batch."""
+        request = self.prefilling
+        assert request is not None
+        self.prefilling = None
+        self.cache.commit(request.tokens, request.block_ids)
+        self.advance(now, cost)
+        request.first_token_at = now + cost.step_s(len(self.running) + 1, self.scale)
+        end = self.progress + len(request.reply)
+        heapq.heappush(self.running, (end, id(request), request))
+        return request
+
+    def finish_decode(self, now: float, cost: CostModel) -> SimRequest:
+        """The first reply to end: commit prompt + reply, release its blocks."""
+        self.advance(now, cost)
+        end, _id, request = heapq.heappop(self.running)
+        self.progress = max(self.progress, end)  # float drift
+        full = request.tokens + request.reply
+        self.cache.commit(full, request.block_ids)
+        self.cache.release(request.block_ids)
+        return request
+
+    def advance(self, now: float, cost: CostModel) -> None:
+        """Move the fluid batch's progress V up to ``now``."""
+        if self.running:
+            step = cost.step_s(len(self.running), self.scale)
+            self.progress += (now - self.progress_at) / step
+        self.progress_at = now
+
+    def reschedule(self, now: float, cost: CostModel) -> float | None:
+        """Invalidate the pending decode-done event; when the next reply ends, if any."""
+        self.version += 1
+        if not self.running:
+            return None
+        step = cost.step_s(len(self.running), self.scale)
+        left = max(0.0, self.running[0][0] - self.progress)
+        return now + left * step
