@@ -162,12 +162,14 @@ def test_client_disconnect_frees_the_replica_blocks(cluster: Cluster) -> None:
     with httpx.stream("POST", cluster.open_gw.url + "/v1/chat/completions", json=body) as r:
         replica = cluster.replica_by_header(r.headers["x-prefixgate-replica"])
         # The first event is the role chunk, which the replica sends before its engine
-        # admits the request; the second carries generated text: the request holds its
-        # blocks now. (After the role chunk alone "no pinned blocks" could hold before the
-        # request ran, and it would run on into the next test: a request that finishes
-        # after a prefix cache reset registers its blocks again.)
+        # admits the request; the third is a second generated token, made in a step that
+        # began after the replica's stats counted the request's pinned blocks. (After the
+        # role chunk alone "no pinned blocks" held before the request ran, and it could
+        # run on into the next test: a request that finishes after a prefix cache reset
+        # registers its blocks again.) A stream that ends sooner has finished.
         events = (line for line in r.iter_lines() if line.startswith("data: "))
-        next(events), next(events)
+        for _ in zip(range(3), events, strict=False):
+            pass
     # The replica notices at its next engine step; on a loaded 2-core box that can be slow.
     wait_until(
         lambda: httpx.get(replica.url + "/cache/stats").json()["pinned_blocks"] == 0,
