@@ -311,17 +311,25 @@ class RoutedHint:
     gateway_id: str
     replica_id: str
     keys: tuple[bytes, ...]
+    # The replica's last block event the sender had folded in when it routed (None: it
+    # had none): a hint routed before the replica's last ``cleared`` event is stale.
+    seq: int | None = None
 
     def encode(self) -> str:
         _check_short(self.keys)
-        return json.dumps(
-            {"g": self.gateway_id, "r": self.replica_id, "k": b"".join(self.keys).hex()},
-            separators=(",", ":"),
-        )
+        data: dict[str, object] = {
+            "g": self.gateway_id,
+            "r": self.replica_id,
+            "k": b"".join(self.keys).hex(),
+        }
+        if self.seq is not None:
+            data["s"] = self.seq
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def decode(cls, raw: str | bytes) -> RoutedHint:
         data = json.loads(raw)
         blob = bytes.fromhex(data["k"])
         keys = tuple(blob[i : i + SHORT_KEY_BYTES] for i in range(0, len(blob), SHORT_KEY_BYTES))
-        return cls(gateway_id=data["g"], replica_id=data["r"], keys=keys)
+        seq = data.get("s")
+        return cls(data["g"], data["r"], keys, seq if isinstance(seq, int) else None)

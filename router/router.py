@@ -67,6 +67,7 @@ class ReplicaView:
     ttl_s: float = 15.0
     publishes_events: bool = False  # seen an event or snapshot: optimistic inserts expire
     last_seq: int | None = None  # last block event folded into the index
+    cleared_seq: int | None = None  # the last ``cleared`` event folded in
 
     @property
     def expired(self) -> bool:
@@ -372,6 +373,7 @@ class Router:
             self.index.remove(replica_id, event.keys)
         else:
             self.index.clear(replica_id)
+            view.cleared_seq = event.seq
         view.last_seq = event.seq
         view.publishes_events = True
         return True
@@ -384,6 +386,8 @@ class Router:
         self.index.clear(replica_id)
         for block in snapshot.blocks:
             self.index.insert(replica_id, (block.key,), medium=block.medium)
+        if view.cleared_seq is not None and snapshot.seq < view.cleared_seq:
+            view.cleared_seq = None  # a restarted replica numbers its events from 1 again
         view.last_seq = snapshot.seq
         view.publishes_events = True
 
@@ -402,10 +406,20 @@ class Router:
                 self.index.clear(replica_id)
 
     def apply_hint(self, hint: RoutedHint) -> None:
-        """Another gateway's optimistic insert."""
-        if hint.replica_id in self._replicas and hint.keys:
-            deadline = self.clock() + self.config.optimistic_ttl_s
-            self.index.insert(hint.replica_id, hint.keys, tentative_until=deadline)
+        """Another gateway's optimistic insert, unless routed before the replica's last
+        ``cleared`` event (a prefix cache reset): those blocks are gone."""
+        view = self._replicas.get(hint.replica_id)
+        if view is None or not hint.keys:
+            return
+        if view.cleared_seq is not None and hint.seq is not None and hint.seq < view.cleared_seq:
+            return
+        deadline = self.clock() + self.config.optimistic_ttl_s
+        self.index.insert(hint.replica_id, hint.keys, tentative_until=deadline)
+
+    def last_seq(self, replica_id: str) -> int | None:
+        """The replica's last block event folded in (None: none, or unknown replica)."""
+        view = self._replicas.get(replica_id)
+        return None if view is None else view.last_seq
 
     def sweep(self) -> None:
         """Background maintenance: drop optimistic inserts no event confirmed in time."""

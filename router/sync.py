@@ -234,7 +234,8 @@ class RedisSync:
 
     def _on_routed(self, replica_id: str, keys: list[bytes]) -> None:
         if keys:
-            self._hints.append(RoutedHint(self.gateway_id, replica_id, tuple(keys)))
+            seq = self.router.last_seq(replica_id)
+            self._hints.append(RoutedHint(self.gateway_id, replica_id, tuple(keys), seq))
             self._hint_ready.set()
 
     async def _hint_loop(self) -> None:

@@ -13,6 +13,7 @@ from router.protocol import (
     KeySpace,
     ReplicaInfo,
     ReplicaLoad,
+    RoutedHint,
     SnapshotBlock,
     encode_snapshot,
     events_stream_key,
@@ -199,3 +200,22 @@ async def test_gateways_share_optimistic_inserts(redis_server: RedisServer) -> N
     finally:
         for sync in syncs:
             await sync.aclose()
+
+
+async def test_a_hint_routed_before_a_reset_is_dropped() -> None:
+    """Another gateway's hint can arrive after this gateway folded in the replica's
+    ``cleared`` event; routed against the view before it, its blocks are gone."""
+    router = Router()
+    router.add_replica("r0", "http://r0", "m", static=True)
+    router.apply_event("r0", BlockEvent(1, "stored", tuple(CHAIN[:2])))
+    router.apply_event("r0", BlockEvent(2, "cleared"))
+    stale = RoutedHint.decode(RoutedHint("gw-b", "r0", tuple(CHAIN), 1).encode())
+    assert stale.seq == 1
+    router.apply_hint(stale)
+    assert router.stats()["replicas"]["r0"]["blocks"] == 0
+    router.apply_hint(RoutedHint("gw-b", "r0", tuple(CHAIN), 2))  # routed after it
+    view = router.stats()["replicas"]["r0"]
+    assert view["blocks"] == view["optimistic_blocks"] == 4
+    # A hint without a seq (its sender had no events) is taken as before.
+    assert RoutedHint.decode('{"g":"x","r":"r0","k":""}').seq is None
+    router.check_invariants()
