@@ -2,14 +2,15 @@
 answer must have. Used by tests/test_fuzz_servers.py and by the chaos benchmark's longer
 fuzz run (benchmarks/chaos_fuzz.py).
 
-``cases`` draws bodies for ``/v1/completions`` and ``/v1/chat/completions``: valid ones
-with small ``max_tokens``, valid ones with fields mutated to hostile values (lone
-surrogates, numbers outside int64 or float range, tiny temperatures, wrong types, huge
-lists), raw bytes that are not JSON or not UTF-8, JSON nested deep (but small enough to
-send), number literals too long for Python's int parser. ``check`` says what was wrong
-with a server's answer: no answer within the client timeout, a 5xx, a 4xx that is not
-an OpenAI error envelope, or a 200 stream that carries an error event or lacks
-``[DONE]``.
+``cases`` draws bodies for ``/v1/completions``, ``/v1/chat/completions`` and
+``/v1/responses``: valid ones with small ``max_tokens``, valid ones with fields mutated
+to hostile values (lone surrogates, numbers outside int64 or float range, tiny
+temperatures, wrong types, huge lists), raw bytes that are not JSON or not UTF-8, JSON
+nested deep (but small enough to send), number literals too long for Python's int
+parser. ``check`` says what was wrong with a server's answer: no answer within the
+client timeout, a 5xx, a 4xx that is not an OpenAI error envelope, or a 200 stream that
+carries an error event or lacks its end (``[DONE]``; a Responses stream's
+``response.completed``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 MODEL = "tiny-random"
 VOCAB = 49_152  # SmolLM2's tokenizer, which tiny-random shares
 CLIENT_TIMEOUT_S = 10.0  # no honest answer here takes more than a fraction of this
-PATHS = ("/v1/completions", "/v1/chat/completions")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 @dataclass(slots=True)
@@ -179,8 +180,39 @@ def _dump(body: Any, raw: dict[str, str]) -> bytes:
     return text.encode()
 
 
+# The Responses API's own fields; the sampling ones come from FIELD_VALUES.
+RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "input": st.one_of(
+        hostile_text,
+        st.lists(
+            st.one_of(
+                st.fixed_dictionaries({"role": st.just("user"), "content": hostile_text}),
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("function_call_output"),
+                        "call_id": hostile_text,
+                        "output": hostile_text,
+                    }
+                ),
+                json_values,
+            ),
+            max_size=3,
+        ),
+        json_values,
+    ),
+    "instructions": st.one_of(hostile_text, json_values),
+    "previous_response_id": st.one_of(hostile_text, st.just("resp_" + "0" * 24), json_values),
+    "max_output_tokens": bad_max_tokens,
+    "store": st.one_of(st.booleans(), json_values),
+    "text": json_values,
+    "reasoning": json_values,
+}
+
+
 @st.composite
 def valid_mutated(draw: st.DrawFn, path: str) -> Case:
+    if path.endswith("/responses"):
+        return draw(valid_mutated_response())
     body: dict[str, Any] = {"model": MODEL, "max_tokens": draw(small_max_tokens)}
     if path.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}]
@@ -211,10 +243,41 @@ def valid_mutated(draw: st.DrawFn, path: str) -> Case:
 
 
 @st.composite
+def valid_mutated_response(draw: st.DrawFn) -> Case:
+    path = "/v1/responses"
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_output_tokens": draw(small_max_tokens),
+        "input": draw(st.text(min_size=1, max_size=40)),
+    }
+    pool = {
+        **RESPONSES_FIELDS,
+        **{
+            k: FIELD_VALUES[k]
+            for k in ("model", "temperature", "top_p", "tools", "tool_choice", "user")
+        },
+    }
+    names = []
+    for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 3]))):
+        name = draw(st.sampled_from([*pool, "<unknown>"]))
+        if name == "<unknown>":
+            body[draw(hostile_text)] = draw(json_values)
+        else:
+            body[name] = draw(pool[name])
+        names.append(name)
+    if draw(st.integers(0, 6)) == 0:
+        body["stream"] = True
+    label = "responses mutated " + (",".join(sorted(set(names))) or "none (valid)")
+    return Case(path, _dump(body, {}), label)
+
+
+@st.composite
 def raw_body(draw: st.DrawFn, path: str) -> Case:
-    valid = {"model": MODEL, "max_tokens": 1, "prompt": "hi"}
+    valid: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "prompt": "hi"}
     if path.endswith("chat/completions"):
         valid = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    elif path.endswith("/responses"):
+        valid = {"model": MODEL, "max_output_tokens": 1, "input": "hi"}
     text = json.dumps(valid).encode()
     depth = draw(st.integers(2, 3000))
     kind = draw(
@@ -272,6 +335,14 @@ def check(client: httpx.Client, server: str, base: str, case: Case) -> str | Non
             ok = False
         return None if ok else f"{resp.status_code} not an OpenAI error: {resp.text[:200]}"
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        if case.path.endswith("/responses"):  # named events, no [DONE] (OpenAI's format)
+            if "event: error" in resp.text:
+                return f"error event in a 200 stream: {resp.text[-300:]}"
+            if not any(
+                f"event: response.{end}" in resp.text for end in ("completed", "incomplete")
+            ):
+                return f"stream without response.completed: {resp.text[-200:]}"
+            return None
         errors = [line for line in resp.text.splitlines() if line.startswith('data: {"error"')]
         if errors:
             return f"error event in a 200 stream: {errors[0][6:300]}"
