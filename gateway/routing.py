@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
-from prefixgate.chat_input import ChatInput, chat_input
+from prefixgate.chat_input import ChatInput, chat_input, content_text
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest
 from router.protocol import KeySpace
 
@@ -153,7 +153,7 @@ def chat_bytes_text(chat: ChatInput) -> str:
     tool-aware templates), then each message with its tool calls."""
     parts = [json.dumps(chat.tools, sort_keys=True)] if chat.tools else []
     for m in chat.messages:
-        parts.append(f"\x1e{m['role']}\x1f{m['content']}")
+        parts.append(f"\x1e{m['role']}\x1f{content_text(m['content'])}")
         if "tool_calls" in m:
             parts.append(json.dumps(m["tool_calls"], sort_keys=True))
         if "tool_call_id" in m:

@@ -3,8 +3,10 @@
 The gateway's keys and the replica's prompt come from the same ``ChatInput``, so they
 agree, and both agree with a vLLM engine serving the same template:
 
-* content: a string as is; a list of parts becomes its text parts joined by ``"\\n"``
-  (vLLM's "string" content format); ``null`` becomes ``""``;
+* content: kept as sent (a string, a list of text parts as ``{"type": "text", "text":
+  ...}`` dicts with any extra fields, or ``null`` as an empty list); the tokenizer shapes
+  it for its template (``prefixgate.content_format``: one joined string for a "string"
+  template, a list of parts for an "openai" one, as vLLM does);
 * assistant ``tool_calls`` are kept, each ``function.arguments`` JSON string decoded to a
   dict (what tool-use templates expect; invalid JSON or a non-object becomes ``{}``, as
   vLLM does so that a conversation with one bad call can go on); an empty list is dropped;
@@ -88,7 +90,7 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
 
 def conversation_message(message: ChatMessage) -> dict[str, Any]:
     """One message as vLLM hands it to the template."""
-    out: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    out: dict[str, Any] = {"role": message.role, "content": message_content(message)}
     if message.role == "assistant" and message.tool_calls:
         out["tool_calls"] = [
             {
@@ -124,27 +126,36 @@ def without_developer_role(messages: list[dict[str, Any]]) -> list[dict[str, Any
     systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
     if not systems or systems == [0]:
         return converted
-    contents = [converted[i]["content"] for i in systems if converted[i]["content"]]
+    contents = [text for i in systems if (text := content_text(converted[i]["content"]))]
     rest = [m for m in converted if m["role"] != "system"]
     return [{"role": "system", "content": "\n\n".join(contents)}, *rest]
 
 
-def message_text(message: ChatMessage) -> str:
-    """The content's text: parts joined by newlines; only text parts are supported."""
+def message_content(message: ChatMessage) -> str | list[dict[str, Any]]:
+    """The content as sent: a string, or its text parts; only text parts are supported."""
     content = message.content
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
         return content
-    texts = []
+    parts = []
     for part in content:
         if part.type != "text" or part.text is None:
             raise OpenAIError(
                 f"content part type {part.type!r} is not supported; send text parts",
                 param="messages",
             )
-        texts.append(part.text)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part.text, **(part.model_extra or {})})
+    return parts
+
+
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """Content as one text: text parts joined by newlines (vLLM's "string" format)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p["text"] for p in content if "text" in p)
 
 
 def decoded_arguments(arguments: str | dict[str, Any] | None) -> dict[str, Any]:

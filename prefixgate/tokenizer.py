@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from prefixgate.chat_input import ChatInput, without_developer_role
+from prefixgate.content_format import ContentFormat, detect_content_format, shaped_messages
 from prefixgate.models import ensure_tokenizer_dir
 from prefixgate.wire import OpenAIError
 
@@ -95,12 +96,14 @@ def read_chat_template_file(path: str | Path) -> str:
     return source
 
 
-def _continued(rendered: str, chat: ChatInput) -> str:
+def _continued(rendered: str, messages: list[dict[str, Any]]) -> str:
     """transformers' ``continue_final_message``: cut the text after the last message's
-    content, so the model continues it."""
-    if not chat.messages:
+    content (its last text part when it is a list), so the model continues it."""
+    if not messages:
         raise ChatTemplateError("continue_final_message needs a message", param="messages")
-    final = chat.messages[-1].get("content")
+    final = messages[-1].get("content")
+    if isinstance(final, list):
+        final = next((p["text"] for p in reversed(final) if "text" in p), None)
     if not isinstance(final, str) or final.strip() not in rendered:
         raise ChatTemplateError(
             "continue_final_message is set but the final message does not appear in the "
@@ -156,6 +159,7 @@ class ChatTokenizer:
         self._template: jinja2.Template | None = None
         self.template_reads: frozenset[str] = frozenset()
         self.developer_role = False
+        self.content_format: ContentFormat = "string"
         self.set_chat_template(chat_template)
         self.eos_token_ids = eos_token_ids
         bos = special_tokens.get("bos_token")
@@ -197,6 +201,10 @@ class ChatTokenizer:
         self.chat_template = source
         self._template = compile_chat_template(source) if source else None
         self.template_reads = template_variables(source) if source else frozenset()
+        # Detected once per template, as vLLM's "auto" content format does.
+        self.content_format = (
+            detect_content_format(_environment().parse(source)) if source else "string"
+        )
         # vLLM's test: a template that names the role handles developer messages itself.
         self.developer_role = source is not None and (
             '"developer"' in source or "'developer'" in source
@@ -222,6 +230,7 @@ class ChatTokenizer:
                 param="messages",
             )
         variables = chat.variables()
+        variables["messages"] = shaped_messages(variables["messages"], self.content_format)
         if not self.developer_role:
             variables["messages"] = without_developer_role(variables["messages"])
         try:
@@ -237,7 +246,9 @@ class ChatTokenizer:
                 f"the model's chat template cannot render this request: {error}",
                 param="messages",
             ) from error
-        return _continued(rendered, chat) if chat.continue_final_message else rendered
+        if chat.continue_final_message:
+            return _continued(rendered, variables["messages"])
+        return rendered
 
     def encode_input(self, chat: ChatInput) -> list[int]:
         """Ids of a chat; the template writes its own special tokens, so none are added."""

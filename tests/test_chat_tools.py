@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from prefixgate.chat_input import ChatInput, chat_input, without_developer_role
+from prefixgate.content_format import shaped_messages
 from prefixgate.models import ensure_tokenizer_dir
 from prefixgate.segments import SegmentCache
 from prefixgate.tokenizer import ChatTemplateError, ChatTokenizer
@@ -130,9 +131,10 @@ def test_rendered_ids_match_transformers(
         continue_final_message=chat.continue_final_message,
         **chat.template_kwargs,
     )
-    # what vLLM hands transformers: the template never names the developer role
-    assert not ours.developer_role
-    messages = without_developer_role(chat.messages)
+    # what vLLM hands transformers: string content (the template never loops over it), and
+    # the template never names the developer role
+    assert ours.content_format == "string" and not ours.developer_role
+    messages = without_developer_role(shaped_messages(chat.messages, "string"))
     text: Any = reference.apply_chat_template(messages, tokenize=False, **kwargs)
     encoded: Any = reference.apply_chat_template(messages, tokenize=True, **kwargs)
     assert ours.render(chat) == text
@@ -142,23 +144,26 @@ def test_rendered_ids_match_transformers(
 
 def test_messages_are_converted_as_vllm_converts_them() -> None:
     chat = chat_input(_request(BODIES[1]))
-    user, assistant, tool_1, _, developer = chat.messages
+    sent = chat.messages[0]["content"]
+    assert sent == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    user, assistant, tool_1, _, developer = shaped_messages(chat.messages, "string")
     assert user == {"role": "user", "content": "a\nb", "name": "ann"}
     assert [c["function"]["arguments"] for c in assistant["tool_calls"]] == [{"city": "Paris"}, {}]
     assert assistant["tool_calls"][0]["id"] == "call_1"
     assert tool_1 == {"role": "tool", "content": "21C", "tool_call_id": "call_1"}
     assert developer == {"role": "developer", "content": "Answer now.", "tools": None}
-    merged = without_developer_role(chat.messages)
+    merged = without_developer_role(shaped_messages(chat.messages, "string"))
     # a system message that is not first moves to the front (vLLM's consolidation)
     assert [m["role"] for m in merged] == ["system", "user", "assistant", "tool", "tool"]
     with_system = chat_input(
         _request({"messages": [{"role": "system", "content": "S"}, *BODIES[1]["messages"]]})
     )
-    head, *rest = without_developer_role(with_system.messages)
+    head, *rest = without_developer_role(shaped_messages(with_system.messages, "string"))
     assert head == {"role": "system", "content": "S\n\nAnswer now."}
     assert all(m["role"] != "system" for m in rest)
     first = chat_input(_request(BODIES[0]))
-    assert first.messages[2]["content"] == ""  # content null
+    assert first.messages[2]["content"] == []  # content null: no parts
+    assert shaped_messages(first.messages, "string")[2]["content"] == ""
     assert first.tools is not None
     assert first.tools[0]["function"]["description"] == "Current weather in a city."
     assert first.tools[1] == {
