@@ -20,8 +20,10 @@ called only where that time is the prefill's: at a successful stream's first bod
 generation and an error's proves nothing: their tokens leave the queue at the finish.
 
 The outcome given to the breaker is a success unless ``fail()`` was called or an
-``UpstreamError`` left the block: a cancellation (the client left) or a fault of the
-gateway's own is not the replica's. A request that never reached the replica
+``UpstreamError`` left the block. A cancellation (the client left) or a fault of the
+gateway's own gives no verdict: it is not the replica's fault, and it proves nothing
+about its health either (clients giving up on a hung replica must not keep resetting its
+failure count, nor close its half-open breaker). A request that never reached the replica
 (``not_sent()``: no free connection in time) gives the breaker no verdict at all. A 5xx
 answer (``server_error()``) gives none at the finish either: whose fault it was depends
 on the request's other attempts, and ``settle_server_errors`` decides once they are over
@@ -44,6 +46,7 @@ class Attempt:
     __slots__ = (
         "_request",
         "_router",
+        "abandoned",
         "decision",
         "failed",
         "finished",
@@ -64,6 +67,7 @@ class Attempt:
         self.failed = False
         self.sent = True
         self.server_errored = False
+        self.abandoned = False  # left by an exception that is not the replica's doing
         self.first_byte_at: float | None = None  # perf_counter() at the answer's head
 
     def __enter__(self) -> Attempt:
@@ -84,6 +88,8 @@ class Attempt:
     ) -> None:
         if isinstance(exc, UpstreamError):
             self.failed = True
+        elif exc is not None:  # cancelled (the client left) or a fault of the gateway's
+            self.abandoned = True
         self.finish()
 
     def first_byte(self) -> None:
@@ -121,7 +127,8 @@ class Attempt:
         if self.finished or not self.started:
             return
         self.finished = True
-        verdict = None if self.server_errored or not self.sent else not self.failed
+        unjudged = self.server_errored or not self.sent or (self.abandoned and not self.failed)
+        verdict = None if unjudged else not self.failed
         assert self._request is not None
         self._router.request_finished(self._request, ok=verdict)
 
