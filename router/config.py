@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 
@@ -100,7 +101,10 @@ def with_options(config: RouterConfig, options: list[str]) -> RouterConfig:
                 + ", ".join(sorted(types))
             )
         try:
-            changes[name] = types[name](raw.strip())
+            value = types[name](raw.strip())
+            if not math.isfinite(value):  # nan and inf pass every range check below
+                raise ValueError
+            changes[name] = value
         except ValueError:
             raise ValueError(
                 f"router option {option!r}: {raw.strip()!r} is not a valid {types[name].__name__}"

@@ -21,6 +21,8 @@ def test_router_options_reach_the_router_config_with_clear_errors() -> None:
         ("load_abs_slack=1.5", "is not a valid int"),
         ("load_slack=-1", "non-negative"),
         ("load_slack=off", "is not a valid float"),
+        ("recompute_weight=nan", "is not a valid float"),
+        ("queue_cap=inf", "is not a valid float"),
     ):
         with pytest.raises(ValueError, match=says):
             config_from_args(build_parser().parse_args(["--router-option", bad]))
