@@ -14,6 +14,10 @@ synchronised around each) on synthetic steps and fits the constants of
   attn_pair_s·n(n+1)/2`` to prefill steps of n = 1k…4k tokens (past the ridge point);
 * ``kv_read_s``: the growth of a 32-sequence decode step from 256 to 4,096 tokens of
   context each, per context token;
+* ``host_copy_s_per_gb``: the built-in host tier (``replica.host_pool.HostPool``, pinned
+  memory on CUDA) copying 64 blocks back to the device, per GB moved (its per-block,
+  per-layer copies, as the engine issues them); ``demote_charge`` 0 (demotions run on a
+  side stream);
 * the pool: ``gpu_memory_utilization`` (0.9) of the device's memory minus what the model
   and the measurement took, in the model's bytes per token.
 
@@ -31,9 +35,10 @@ from pathlib import Path
 import torch
 
 from replica.engine import EngineConfig
+from replica.host_pool import HostPool
 from replica.models import load_model
 from replica.runner import SeqSlice
-from replica.sim.profile import SimProfile
+from replica.sim.profile import GB, SimProfile
 from replica.torch_backend import TorchBackend, TorchStep
 
 BLOCK = 16
@@ -112,6 +117,12 @@ def main() -> None:
     short, long = decode(contexts[0]), decode(contexts[1])
     kv_read_s = max(0.0, (long - short) / (batch * (contexts[1] - contexts[0])))
 
+    copied = min(64 // (8 if args.quick else 1), backend.pool.num_blocks)
+    host = HostPool(backend.pool, copied)
+    slots, blocks = list(range(copied)), list(range(copied))
+    host_copy_s = measure(lambda: host.promote(slots, blocks))
+    host_copy_s_per_gb = host_copy_s / (copied * host.block_bytes / GB)
+
     kv_bytes_per_token = backend.pool.shape.block_bytes // BLOCK
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -129,6 +140,8 @@ def main() -> None:
         token_s=max(token_s, 0.0),
         attn_pair_s=max(attn_pair_s, 0.0),
         kv_read_s=kv_read_s,
+        host_copy_s_per_gb=host_copy_s_per_gb,
+        demote_charge=0.0,
         kv_bytes_per_token=kv_bytes_per_token,
         kv_cache_bytes=max(kv_cache_bytes, kv_bytes_per_token * BLOCK),
         max_context=loaded.max_context,
@@ -140,6 +153,10 @@ def main() -> None:
         fitted = profile.step_s([(0, n)])
         print(f"prefill {n}: measured {1e3 * t:.2f} ms, profile {1e3 * fitted:.2f} ms")
     print(f"decode x{batch}: {1e3 * short:.2f} / {1e3 * long:.2f} ms at {contexts} context")
+    print(
+        f"host -> device: {copied} blocks in {1e3 * host_copy_s:.2f} ms "
+        f"({1 / host_copy_s_per_gb:.2f} GB/s)"
+    )
 
 
 if __name__ == "__main__":

@@ -101,12 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_mb is not None and args.num_blocks is not None:
         print("prefixgate replica: give --kv-cache-mb or --num-blocks, not both", file=sys.stderr)
         return 2
-    if args.host_cache_mb < 0 or (args.host_cache_mb and args.model == SIM_MODEL):
-        print(
-            "prefixgate replica: --host-cache-mb must be >= 0, and the simulated engine "
-            "(--model sim) has no host tier",
-            file=sys.stderr,
-        )
+    if args.host_cache_mb < 0:
+        print("prefixgate replica: --host-cache-mb must be >= 0", file=sys.stderr)
         return 2
     try:
         limits = http_limits_from_args(args)

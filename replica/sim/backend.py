@@ -3,7 +3,9 @@ draws deterministic pseudo-random tokens. Torch-free.
 
 Everything around it is the real replica: scheduler (continuous batching, chunked
 prefill, preemption), prefix cache, block accounting, publisher, server. Only the pool
-holds no tensors (``SimPool``: a size, and copy-on-write that copies nothing).
+holds no tensors (``SimPool``: a size, and copy-on-write that copies nothing), and so
+does the host tier when there is one (``replica.sim.host.SimHostPool``: its copies cost
+the time the profile's host bandwidth says, slept by the step they are made for).
 
 Tokens come from the real tokenizer's vocabulary minus its special tokens, so replies
 detokenize to real text, stop strings work and usage counts are true, and a reply ends
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from replica.request import SamplingParams
 from replica.runner import SeqSlice
+from replica.sim.host import SimHostPool
 from replica.sim.profile import SimProfile
 
 if TYPE_CHECKING:
@@ -74,7 +77,8 @@ def output_vocabulary(tokenizer: ChatTokenizer) -> list[int]:
 @dataclass(slots=True)
 class SimStats:
     steps: int = 0
-    busy_s: float = 0.0  # simulated device time slept
+    busy_s: float = 0.0  # simulated device time slept, host copies included
+    copy_s: float = 0.0  # of which host tier copies (``SimHostPool``)
 
 
 @dataclass(slots=True)
@@ -89,6 +93,7 @@ class SimBackend:
     vocabulary: Sequence[int]  # ids a reply may contain
     vocab_size: int  # ids a prompt may contain
     sleep: Callable[[float], None] = time.sleep
+    host_pool: SimHostPool | None = None  # the host tier's mover (the engine reads it)
     stats: SimStats = field(default_factory=SimStats)
 
     forward = None  # the whole step is ``run``
@@ -106,6 +111,10 @@ class SimBackend:
 
     def run(self, slices: Sequence[SeqSlice], input_ids: list[int], rows: list[int]) -> list[int]:
         seconds = self.profile.step_s((s.start, s.num_new) for s in slices)
+        if self.host_pool is not None:  # copies made while this step was scheduled
+            copies = self.host_pool.take_pending_s()
+            self.stats.copy_s += copies
+            seconds += copies
         self.stats.steps += 1
         self.stats.busy_s += seconds
         self.sleep(seconds)
@@ -132,14 +141,18 @@ def sim_backend(
     *,
     kv_cache_mb: float | None = None,
     num_blocks: int | None = None,
+    host_cache_mb: float = 0,
     sleep: Callable[[float], None] = time.sleep,
 ) -> SimBackend:
-    """The backend for ``profile``: its pool sized as ``SimProfile.num_blocks`` says."""
+    """The backend for ``profile``: its pool sized as ``SimProfile.num_blocks`` says, and
+    a host tier of ``host_cache_mb`` MiB (0: none)."""
     blocks = profile.num_blocks(block_size, kv_cache_mb=kv_cache_mb, num_blocks=num_blocks)
+    host = SimHostPool.from_budget(profile, block_size, host_cache_mb) if host_cache_mb else None
     return SimBackend(
         profile,
         SimPool(block_size, blocks),
         output_vocabulary(tokenizer),
         tokenizer.vocab_size,
         sleep,
+        host,
     )

@@ -19,6 +19,16 @@ Its time is::
   ``start + i + 1`` keys), which bound a long prefill chunk.
 * ``step_overhead_s``: what a step costs the device beyond that (sampling, launches).
 
+With a host KV tier (``--host-cache-mb``) a step also pays for the blocks copied back
+from host memory before its prefill (``replica.sim.host``)::
+
+    swap_in_s = host_copy_s_per_gb × promoted blocks × block bytes / 1e9
+
+``host_copy_s_per_gb`` is 1 / the host↔device bandwidth in GB/s (a copy over PCIe from
+pinned memory). A swap-in is on the step's critical path (the prefill reads those
+blocks), so it is charged whole. A demotion is issued on a side stream and overlaps
+compute, so a step pays only ``demote_charge`` (0..1; 0 by default) of its copy time.
+
 The scheduler's own CPU time is not in the formula: the simulated engine spends it for
 real, as the real engine does between its forward passes.
 
@@ -38,8 +48,20 @@ from typing import Any
 
 MIB = 1024 * 1024
 
-# The cost constants (seconds) a command line may override, one flag each.
-COST_FIELDS = ("step_overhead_s", "weights_s", "token_s", "attn_pair_s", "kv_read_s")
+GB = 1e9  # bandwidths are quoted in decimal GB/s
+
+# The cost constants (seconds, or seconds per GB) a command line may override, one flag
+# each; a slowed-down device multiplies them all.
+COST_FIELDS = (
+    "step_overhead_s",
+    "weights_s",
+    "token_s",
+    "attn_pair_s",
+    "kv_read_s",
+    "host_copy_s_per_gb",
+)
+# Every constant a command line may override: the costs and the demotion charge.
+OVERRIDE_FIELDS = (*COST_FIELDS, "demote_charge")
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,6 +75,8 @@ class SimProfile:
     token_s: float
     attn_pair_s: float
     kv_read_s: float
+    host_copy_s_per_gb: float  # 1 / host<->device bandwidth (GB/s)
+    demote_charge: float  # fraction of a demotion's copy time a step pays (0..1)
     kv_bytes_per_token: int
     kv_cache_bytes: int
     max_context: int
@@ -61,6 +85,8 @@ class SimProfile:
         for name in COST_FIELDS:
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"sim profile {self.name}: {name} must be >= 0")
+        if not 0.0 <= self.demote_charge <= 1.0:
+            raise ValueError(f"sim profile {self.name}: demote_charge must be in [0, 1]")
         if self.kv_bytes_per_token < 1 or self.kv_cache_bytes < 1 or self.max_context < 2:
             raise ValueError(f"sim profile {self.name}: pool and context sizes must be positive")
 
@@ -97,6 +123,21 @@ class SimProfile:
         mean = total_context / batch
         return self.step_s([(int(mean), 1)] * batch)
 
+    # ------------------------------------------------------------------ host tier
+
+    @property
+    def host_gb_per_s(self) -> float | None:
+        """The host<->device bandwidth; None when copies are free (a zero cost)."""
+        return 1.0 / self.host_copy_s_per_gb if self.host_copy_s_per_gb > 0 else None
+
+    def swap_in_s(self, blocks: int, block_size: int) -> float:
+        """Copying ``blocks`` blocks from host memory to the device."""
+        return self.host_copy_s_per_gb * blocks * self.block_bytes(block_size) / GB
+
+    def demote_s(self, blocks: int, block_size: int) -> float:
+        """What a step pays for demoting ``blocks`` blocks (the copy overlaps compute)."""
+        return self.demote_charge * self.swap_in_s(blocks, block_size)
+
     # ------------------------------------------------------------------ pool
 
     def block_bytes(self, block_size: int) -> int:
@@ -123,11 +164,12 @@ class SimProfile:
     # ------------------------------------------------------------------ files, overrides
 
     def with_overrides(self, **costs: float | None) -> SimProfile:
-        """This profile with the given cost constants replaced (None: kept)."""
+        """This profile with the given constants (``OVERRIDE_FIELDS``) replaced (None:
+        kept)."""
         changes = {k: v for k, v in costs.items() if v is not None}
-        unknown = set(changes) - set(COST_FIELDS)
+        unknown = set(changes) - set(OVERRIDE_FIELDS)
         if unknown:
-            raise ValueError(f"unknown sim cost constants {sorted(unknown)}; use {COST_FIELDS}")
+            raise ValueError(f"unknown sim cost constants {sorted(unknown)}; use {OVERRIDE_FIELDS}")
         if not changes:
             return self
         changed: dict[str, Any] = {"name": f"{self.name} (overridden)", **changes}
