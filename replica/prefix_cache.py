@@ -158,6 +158,12 @@ class PrefixCache:
             stats.misses += 1
         return PrefixMatch(found, cached, host_tokens)
 
+    def cached_tokens(self, token_ids: Sequence[int], salt: str = "") -> int:
+        """How many leading tokens of ``token_ids`` a ``match`` would find now (either
+        tier), without pinning them or counting a query: for load reports."""
+        hit = self._index.lookup(encode_tokens(token_ids), self.root(salt))
+        return min(hit.tokens, len(token_ids) - 1) if token_ids else 0
+
     def promote(self, match: PrefixMatch) -> Promotion:
         """Copy the host blocks of ``match`` (from ``match``) into fresh device blocks, the
         caller's pins moving with them; the same match on device blocks only. When the

@@ -86,6 +86,9 @@ class Scheduler:
         self.requests: dict[str, RequestState] = {}
         self.num_preemptions = 0
         self.swapped_in_tokens = 0  # tokens whose KV came back from the host tier
+        # (request id, choice) of each waiting sequence -> its cached prefix in tokens
+        # when first counted (``queued_prefill_tokens``).
+        self._waiting_cached: dict[tuple[str, int], int] = {}
 
     # ------------------------------------------------------------------------- intake
 
@@ -178,9 +181,22 @@ class Scheduler:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return sum(s.num_to_compute for s in self.waiting) + sum(
-            s.num_to_compute for s in self.running if s.num_to_compute > 1
-        )
+        """Prompt tokens still to compute: each waiting sequence's beyond its cached
+        prefix, and the rest of each running prefill. Routers add this to their own
+        view of the queue, which counts requests' uncached tokens only (router/load.py).
+        A waiting sequence's prefix is looked up once, when first counted here."""
+        cached = self._waiting_cached
+        now: dict[tuple[str, int], int] = {}
+        total = 0
+        for s in self.waiting:
+            key = (s.request.request_id, s.index)
+            hit = cached.get(key)
+            if hit is None:
+                hit = self.cache.cached_tokens(s.token_ids, s.request.salt)
+            now[key] = hit
+            total += max(1, s.num_to_compute - hit)
+        self._waiting_cached = now  # sequences no longer waiting drop out
+        return total + sum(s.num_to_compute for s in self.running if s.num_to_compute > 1)
 
     # ------------------------------------------------------------------------- one step
 
@@ -379,6 +395,7 @@ class Scheduler:
 
     def _preempt(self, seq: SequenceState) -> None:
         self._free(seq)
+        self._waiting_cached.pop((seq.request.request_id, seq.index), None)
         seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -241,3 +241,21 @@ def test_fail_all_closes_every_handle_once(n: int) -> None:
     assert not sched.has_work and sched.cache.stats().pinned_blocks == 0
     assert all(s.output is not None and s.output.error is not None for s in sinks)
     sched.check_invariants()
+
+
+def test_queued_prefill_tokens_count_a_waiting_prompt_beyond_its_cached_prefix() -> None:
+    sched = make(max_running=1)
+    add(sched, "a", list(range(1, 13)))  # 12 tokens: 3 full blocks once done
+    drain(sched)
+    add(sched, "b", list(range(100, 106)))  # runs, holding the only slot
+    add(sched, "c", [*range(1, 13), 50, 51, 52, 53, 54])  # 12 cached + 5 new
+    add(sched, "d", list(range(200, 210)))  # nothing cached
+    step(sched)
+    assert [s.request.request_id for s in sched.waiting] == ["c", "d"]
+    # b decodes (1 token left: not prefill); c computes 17 - 12, d all 10.
+    queries = sched.cache.stats().queries
+    assert sched.queued_prefill_tokens == 5 + 10
+    assert sched.cache.stats().queries == queries  # a look, not a query
+    assert sched.cache.stats().pinned_blocks == len(sched.running[0].block_ids)  # no pins
+    drain(sched)
+    assert sched.queued_prefill_tokens == 0
