@@ -74,6 +74,8 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
         cmd += ["--kv-cache-mb", str(args.kv_cache_mb)]
     if args.num_blocks is not None:
         cmd += ["--num-blocks", str(args.num_blocks)]
+    if args.host_cache_mb is not None:
+        cmd += ["--host-cache-mb", str(args.host_cache_mb)]
     if args.model == SIM_MODEL and args.sim_profile is not None:
         cmd += ["--sim-profile", args.sim_profile]
     if args.chat_template is not None:
@@ -280,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--kv-cache-mb", metavar="MB", type=int, help="KV pool per replica")
     budget.add_argument("--num-blocks", metavar="N", type=int, help="KV blocks per replica")
+    add(
+        "--host-cache-mb",
+        metavar="MB",
+        type=int,
+        help="host-memory KV tier per replica (evicted prefix blocks are kept there and "
+        "copied back on a hit; with --model sim the copies cost the profile's PCIe time); "
+        "0 = off (the replicas' default when unset)",
+    )
     add("--api-keys", metavar="FILE", type=Path, help="gateway API key file (default: no auth)")
     add(
         "--chat-template",
@@ -318,6 +328,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--replicas must be at least 1")
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
         parser.error(f"--device must be cpu, cuda or cuda:N, not {args.device!r}")
+    if args.host_cache_mb is not None and args.host_cache_mb < 0:
+        parser.error("--host-cache-mb must be >= 0")
+    if args.host_cache_mb and args.engine != "prefixgate":
+        parser.error(
+            "--host-cache-mb is the prefixgate engine's host tier; give the engine's own "
+            "offloading flags with --engine-arg"
+        )
     if args.api_keys is not None and not args.api_keys.is_file():
         parser.error(f"--api-keys {args.api_keys}: no such file")
     if args.chat_template is not None and not args.chat_template.is_file():
