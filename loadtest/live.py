@@ -19,6 +19,9 @@ of the working set, and the targets are checked (``loadtest.targets``).
     prefixgate bench live --replicas 4 --model tiny-random \\
         --policies cache_aware,round_robin,consistent_hash,least_loaded \\
         --workloads agents,multi_turn_chat --repeats 3 --out-dir docs/bench
+
+Rows of another project's router (``--external-router sglang:cache_aware``) run in front
+of the first cluster's replicas, in the same rounds (``loadtest.external_router``).
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from loadtest import external_router, skewed_docs
 from loadtest.cache_sizing import Sizing, live_prompts, size_cache
 from loadtest.cluster import Cluster, cluster_hit_rate, launch_cluster, stats_delta, wait_ready
 from loadtest.pooling import pool_cells
@@ -42,11 +46,12 @@ if TYPE_CHECKING:
 DEFAULT_POLICIES = "cache_aware,round_robin,consistent_hash,least_loaded"
 DEFAULT_WORKLOADS = "agents,multi_turn_chat"
 
-# Passed to workloads.generate(). Long prompts and short answers (about 2.5 SmolLM2
-# tokens per generated word): what a cache saves is prefill, so the workloads are
-# prefill-bound, as agents and chat are on real models; with tiny prompts TTFT is set by
-# HTTP and decode and no router shows. Small enough that one cluster per policy replays
-# both workloads three times on a few CPU cores (run times: docs/BENCHMARKS.md).
+# Passed to workloads.generate() (skewed_docs.generate() for that kind). Long prompts
+# and short answers (about 2.5 SmolLM2 tokens per generated word): what a cache saves is
+# prefill, so the workloads are prefill-bound, as agents and chat are on real models;
+# with tiny prompts TTFT is set by HTTP and decode and no router shows. Small enough that
+# one cluster per policy replays each workload three times on a few CPU cores (run
+# times: docs/BENCHMARKS.md).
 LIVE_PARAMS: dict[str, dict[str, Any]] = {
     "agents": {
         "agents": 4,
@@ -61,6 +66,17 @@ LIVE_PARAMS: dict[str, dict[str, Any]] = {
         "turns": 4,
         "system_len": 400,
         "user_len": 60,
+        "max_tokens": 8,
+    },
+    # Single-turn document Q&A without conversation ids (loadtest.skewed_docs): a few
+    # hot documents take most requests (doc 0 about 40%); its distinct prefix blocks
+    # (about 1,420) match the two above, so one cache size is a third of each.
+    skewed_docs.KIND: {
+        "docs": 16,
+        "lengths": (300, 600, 1000),
+        "zipf_s": 1.3,
+        "requests": 128,
+        "question_len": 10,
         "max_tokens": 8,
     },
 }
@@ -107,6 +123,8 @@ class LiveConfig:
     run_root: Path  # the clusters' logs; not results
     router_options: list[str]  # NAME=VALUE router thresholds for the gateways
     repeats: int = 3  # replays of every workload per policy, pooled
+    external_routers: list[str] = field(default_factory=list)  # e.g. sglang:cache_aware
+    sglang_python: str | None = None  # the Python with sglang-router installed
 
 
 class Workload(NamedTuple):
@@ -116,11 +134,33 @@ class Workload(NamedTuple):
     sessions: list[Session]
     prompts: list[list[list[int]]]
     sizing: Sizing
+    conversation_keys: bool  # whether requests carry their session id as prompt_cache_key
 
 
-def start_clusters(cfg: LiveConfig, num_blocks: int) -> dict[str, Cluster]:
-    """One cluster per policy, started together (their replicas load in parallel)."""
+class CellTarget(Protocol):
+    """What a cell replays against: a prefixgate cluster or an external router."""
+
+    @property
+    def base_url(self) -> str: ...
+    def reset_prefix_cache(self) -> None: ...
+    def cache_stats(self) -> dict[str, dict[str, Any]]: ...
+    def replica_cpu_seconds(self) -> float | None: ...
+    def names_by_address(self) -> dict[str, str]: ...
+    def stop(self) -> None: ...
+
+
+class Started(NamedTuple):
+    """Every row's target, by row name, and why external rows were skipped (if so)."""
+
+    targets: dict[str, CellTarget]
+    external_skipped: str | None
+
+
+def start_clusters(cfg: LiveConfig, num_blocks: int) -> Started:
+    """One cluster per policy, started together (their replicas load in parallel), then
+    the external routers' rows in front of the first cluster's replicas."""
     clusters: dict[str, Cluster] = {}
+    targets: dict[str, CellTarget] = {}
     try:
         for policy in cfg.policies:
             clusters[policy] = launch_cluster(
@@ -139,23 +179,33 @@ def start_clusters(cfg: LiveConfig, num_blocks: int) -> dict[str, Cluster]:
         for cluster in clusters.values():
             wait_ready(cluster, cfg.ready_timeout_s)
             cluster.warm_up(cfg.model)
+        targets.update(clusters)
+        routers, skipped = external_router.start_routers(
+            cfg.external_routers,
+            cfg.sglang_python,
+            clusters[cfg.policies[0]],
+            cfg.run_root / "external",
+            cfg.ready_timeout_s,
+        )
+        targets.update(routers)
     except BaseException:
-        for cluster in clusters.values():
-            cluster.stop()
+        for target in reversed([*clusters.values(), *targets.values()]):
+            target.stop()  # routers before the clusters they front; twice is harmless
         raise
-    return clusters
+    return Started(targets, skipped)
 
 
 def run_cells(
-    cfg: LiveConfig, clusters: dict[str, Cluster], workloads: Sequence[Workload]
+    cfg: LiveConfig, clusters: dict[str, CellTarget], workloads: Sequence[Workload]
 ) -> list[dict[str, Any]]:
-    """Every (repeat, workload, policy) cell; each policy's position in the order moves
-    by one every repeat."""
+    """Every (repeat, workload, row) cell; each row's position in the order moves by one
+    every repeat."""
+    rows = list(clusters)
     results = []
     for repeat in range(cfg.repeats):
         for w in workloads:
-            shift = repeat % len(cfg.policies)
-            for policy in cfg.policies[shift:] + cfg.policies[:shift]:
+            shift = repeat % len(rows)
+            for policy in rows[shift:] + rows[:shift]:
                 cluster = clusters[policy]
                 cluster.reset_prefix_cache()
                 results.append(replay_on(cluster, cfg, policy, w, repeat))
@@ -163,7 +213,7 @@ def run_cells(
 
 
 def replay_on(
-    cluster: Cluster, cfg: LiveConfig, policy: str, w: Workload, repeat: int = 0
+    cluster: CellTarget, cfg: LiveConfig, policy: str, w: Workload, repeat: int = 0
 ) -> dict[str, Any]:
     """One cell: replay ``w`` on ``cluster`` and return the replay's results with the
     replicas' cache counters and CPU seconds accrued meanwhile."""
@@ -176,6 +226,7 @@ def replay_on(
         ignore_eos=True,  # every policy generates the same number of tokens
         seed=cfg.seed,
         progress=False,
+        conversation_keys=w.conversation_keys,
     )
     result = run_replay(w.sessions, replay_config)
     names = cluster.names_by_address()
@@ -188,6 +239,7 @@ def replay_on(
     data = result.to_json({**meta, "repeat": repeat})
     data["cache_stats"] = stats
     data["cluster_hit_rate"] = cluster_hit_rate(stats)
+    external_router.counts_from_stats(data)
     s = data["summary"]
     if cpu_before is not None and cpu_after is not None:
         s["replica_cpu_s"] = cpu_after - cpu_before
@@ -210,11 +262,16 @@ def prepare(cfg: LiveConfig) -> list[Workload]:
 
     out = []
     for name in cfg.workloads:
-        sessions = generate(name, seed=cfg.seed, **LIVE_PARAMS.get(name, {}))
+        params = LIVE_PARAMS.get(name, {})
+        if name == skewed_docs.KIND:
+            sessions = skewed_docs.generate(seed=cfg.seed, **params)
+        else:
+            sessions = generate(name, seed=cfg.seed, **params)
         save_jsonl(sessions, cfg.out_dir / f"workload-{name}.jsonl")
         prompts = live_prompts(sessions, cfg.model)
         sizing = size_cache(sessions, prompts, cfg.model, cfg.fraction)
-        out.append(Workload(name, sessions, prompts, sizing))
+        keys = name != skewed_docs.KIND  # plain API clients send no conversation id
+        out.append(Workload(name, sessions, prompts, sizing, keys))
     return out
 
 
@@ -240,13 +297,14 @@ def run_live(cfg: LiveConfig) -> Path:
         oracle[exp] = simulated_oracle(
             w.sessions, w.prompts, cfg.replicas, num_blocks, cfg.concurrency
         )
-    clusters = start_clusters(cfg, num_blocks)
+    clusters, skipped = start_clusters(cfg, num_blocks)
     try:
         cells = run_cells(cfg, clusters, workloads)
     finally:
-        for cluster in clusters.values():
-            cluster.stop()
+        for target in reversed(clusters.values()):
+            target.stop()  # external routers before the cluster they front
     runs = pool_cells(cells)
+    external_router.pool_counts(runs, cells)
     elapsed = time.monotonic() - started
     data = {
         "kind": "live",
@@ -258,6 +316,9 @@ def run_live(cfg: LiveConfig) -> Path:
         "notes": notes,
         "targets": check_targets(runs, oracle, cells),
     }
+    if cfg.external_routers:
+        data["versus_external"] = external_router.versus_external(runs, cells)
+        data["external_skipped"] = skipped
     path = cfg.out_dir / "live.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"[live] done in {elapsed:.0f} s; results in {path}", flush=True)

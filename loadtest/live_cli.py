@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from loadtest.external_router import PYTHON_ENV, parse_spec
 from loadtest.live import DEFAULT_POLICIES, DEFAULT_WORKLOADS, LiveConfig, run_live
 
 
@@ -37,6 +38,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="a router threshold for the clusters' gateways (repeatable)",
     )
+    p.add_argument(
+        "--external-router",
+        action="append",
+        default=[],
+        metavar="KIND:POLICY",
+        help="another router as a comparison row, e.g. sglang:cache_aware (repeatable; "
+        "run inside a loopback-only network namespace, see loadtest/external_router.py)",
+    )
+    p.add_argument(
+        "--sglang-python",
+        default=None,
+        help=f"the Python with sglang-router installed (default: ${PYTHON_ENV}); "
+        "without one, sglang rows are skipped",
+    )
     p.add_argument("--no-report", action="store_true", help="skip tables and plots")
 
 
@@ -48,10 +63,18 @@ def _positive_int(text: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    policies = [p for p in args.policies.split(",") if p]
+    if not policies:
+        raise SystemExit("--policies: name at least one prefixgate policy")
+    for spec in args.external_router:
+        try:
+            parse_spec(spec)
+        except ValueError as exc:
+            raise SystemExit(f"--external-router: {exc}") from None
     cfg = LiveConfig(
         replicas=args.replicas,
         model=args.model,
-        policies=[p for p in args.policies.split(",") if p],
+        policies=policies,
         workloads=[w for w in args.workloads.split(",") if w],
         out_dir=args.out_dir,
         concurrency=args.concurrency,
@@ -61,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
         run_root=args.run_root,
         router_options=args.router_option,
         repeats=args.repeats,
+        external_routers=args.external_router,
+        sglang_python=args.sglang_python,
     )
     path = run_live(cfg)
     if not args.no_report:

@@ -49,6 +49,7 @@ class ReplayConfig:
     ignore_eos: bool = False  # vLLM / prefixgate extension: fixed output lengths
     timeout_s: float = 600.0
     progress: bool = True
+    conversation_keys: bool = True  # send each session's id as prompt_cache_key
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and self.rate is not None:
@@ -223,7 +224,7 @@ async def _one_request(
             temperature=cfg.temperature,
             stream=True,
             stream_options={"include_usage": True},
-            prompt_cache_key=session.session_id,
+            prompt_cache_key=session.session_id if cfg.conversation_keys else openai.omit,
             extra_body=extra or None,
         ) as response:
             record.replica = response.headers.get(REPLICA_HEADER)

@@ -177,6 +177,8 @@ POLICY_COLORS = {
     "consistent_hash": "tab:orange",
     "least_loaded": "tab:purple",
     "random": "tab:brown",
+    "sglang:cache_aware": "tab:red",
+    "sglang:round_robin": "tab:cyan",
     ORACLE: "tab:gray",
 }
 
