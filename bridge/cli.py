@@ -8,8 +8,9 @@ import contextlib
 import logging
 import signal
 
+from bridge.media import parse_medium_flag
 from bridge.service import Bridge, BridgeConfig
-from prefixgate.envflags import add_env_flag
+from prefixgate.envflags import add_env_flag, add_env_list_flag
 from router.protocol import DEFAULT_BLOCK_SIZE
 
 DESCRIPTION = """\
@@ -51,8 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gateway's tokenizer (builtin name or model folder) for the start-up parity "
         "check (default: --model)",
     )
+    add_env_flag(
+        p,
+        "chat-template",
+        metavar="FILE",
+        help="the jinja chat template the engine and the gateways were started with, if "
+        "not the model's own, for the start-up parity check",
+    )
     p.add_argument(
         "--no-tokenizer-check", action="store_true", help="skip the start-up parity check"
+    )
+    add_env_list_flag(
+        p,
+        "medium",
+        metavar="NAME=TIER",
+        help="route blocks the engine reports in medium NAME as on the device, on the host, "
+        "or not at all (TIER: device, host, ignore); overrides the built-in table (GPU "
+        "device; CPU, CPU_TIER1 host; STORAGE, CPU_TIER2 ignored; any other name ignored)",
     )
     add_env_flag(p, "heartbeat-s", type=float, default=1.0, help="heartbeat period")
     add_env_flag(p, "log-level", default="info", help="debug, info, warning")
@@ -66,6 +82,15 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         parser.error("--engine-url and --kv-events are required (or PREFIXGATE_ENGINE_URL, ...)")
     if args.block_size <= 0:
         parser.error("--block-size must be positive")
+    try:
+        media = dict(parse_medium_flag(value) for value in args.medium)
+        template = None
+        if args.chat_template:  # imported here: the tokenizer stack costs ~0.2 s to load
+            from prefixgate.tokenizer import read_chat_template_file
+
+            template = read_chat_template_file(args.chat_template)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -79,7 +104,9 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         replica_id=args.replica_id,
         advertise_url=args.advertise_url,
         block_size=args.block_size,
+        media=media,
         tokenizer=args.tokenizer,
+        chat_template=template,
         check_tokenizer=not args.no_tokenizer_check,
         heartbeat_s=args.heartbeat_s,
     )

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 BlockHash = int | bytes
+MAX_TOKEN_ID = 2**32 - 1  # block keys hash token ids as uint32
 
 STORED_FIELDS = (
     "block_hashes",
@@ -47,6 +48,10 @@ REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 class BlockStored(NamedTuple):
+    """``token_ids`` empty: a bare announcement that blocks stored before are now also in
+    ``medium`` (vLLM's offloading connectors send these unless their
+    ``self_describing_kv_events`` is on); ``block_size`` is then meaningless."""
+
     block_hashes: tuple[BlockHash, ...]
     parent: BlockHash | None
     token_ids: tuple[int, ...]
@@ -118,7 +123,9 @@ def decode_event(item: Any) -> EngineEvent | None:
             return _stored(fields)
         if tag == "BlockRemoved":
             return BlockRemoved(
-                _hashes(fields["block_hashes"]), fields.get("medium"), fields.get("group_idx")
+                _hashes(fields["block_hashes"]),
+                _medium(fields.get("medium")),
+                _group(fields.get("group_idx")),
             )
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
@@ -136,8 +143,13 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     hashes = _hashes(f["block_hashes"])
     tokens = tuple(int(t) for t in f["token_ids"])
     block_size = int(f["block_size"])
-    if block_size <= 0 or len(tokens) != len(hashes) * block_size:
-        raise ValueError("token_ids do not fill the stored blocks")
+    if tokens:
+        if block_size <= 0 or len(tokens) != len(hashes) * block_size:
+            raise ValueError("token_ids do not fill the stored blocks")
+        if min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID:
+            raise ValueError("a token id is not a uint32")
+    elif block_size < 0:
+        raise ValueError("negative block_size")
     parent = f.get("parent_block_hash")
     if parent is not None and not isinstance(parent, int | bytes):
         raise TypeError("parent_block_hash is neither int nor bytes")
@@ -150,10 +162,22 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         tokens,
         block_size,
         lora if isinstance(lora, str) else None,
-        f.get("medium"),
+        _medium(f.get("medium")),
         extra_keys,
-        f.get("group_idx"),
+        _group(f.get("group_idx")),
     )
+
+
+def _medium(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError("medium is not a string")
+    return value
+
+
+def _group(value: Any) -> int | None:
+    if value is not None and not isinstance(value, int):
+        raise TypeError("group_idx is not an int")
+    return value
 
 
 def _hashes(values: Any) -> tuple[BlockHash, ...]:

@@ -4,8 +4,9 @@ The same three things ``replica/publisher.py`` writes (layout and codecs:
 ``router.protocol``), so gateways need no engine-specific code:
 
 * the registry record, refreshed each heartbeat with an expiry, its URL the engine's;
-* block events in the replica's capped stream, ``seq`` growing by one per event;
-* a snapshot whose ``seq`` is the last event folded into it.
+* block events in the replica's capped stream, ``seq`` growing by one per event, each
+  ``stored`` event in the tier its keys are in now;
+* a snapshot whose ``seq`` is the last event folded into it, with each block's tier.
 
 Everything runs on one event loop: the bridge calls ``stored`` / ``removed`` /
 ``cleared`` and the snapshot source from the same loop, so a snapshot and its ``seq``
@@ -38,6 +39,7 @@ from redis.exceptions import RedisError
 from router.protocol import (
     REPLICAS_SET,
     BlockEvent,
+    Medium,
     ReplicaInfo,
     ReplicaLoad,
     SnapshotBlock,
@@ -102,12 +104,18 @@ class RedisWriter:
     # ------------------------------------------------------------------ events (same loop)
 
     def stored(
-        self, parent: bytes | None, keys: tuple[bytes, ...], engine_ts: float | None = None
+        self,
+        parent: bytes | None,
+        keys: tuple[bytes, ...],
+        engine_ts: float | None = None,
+        medium: Medium = "device",
     ) -> None:
+        """``keys`` are now held in ``medium`` (stored there, or moved there)."""
         if keys:
-            self._enqueue(BlockEvent(self.seq + 1, "stored", keys, parent), engine_ts)
+            self._enqueue(BlockEvent(self.seq + 1, "stored", keys, parent, medium), engine_ts)
 
     def removed(self, keys: tuple[bytes, ...], engine_ts: float | None = None) -> None:
+        """``keys`` are held in no tier any more."""
         if keys:
             self._enqueue(BlockEvent(self.seq + 1, "removed", keys), engine_ts)
 

@@ -2,26 +2,11 @@
 
 Three tasks on one event loop:
 
-* **events**: live batches from the engine's PUB socket, in ``seq`` order, through the
-  key translator into the Redis writer's queue. Sequence rules (``seq`` grows by one
-  per batch and restarts at 0 with the engine):
-
-      seq == expected            apply
-      seq >  expected            a gap: replay [expected, seq) from the engine; if the
-                                 replay is incomplete, reset
-      seq <  expected            the engine restarted: reset, then replay [0, seq)
-      first batch, seq > 0       started late: replay [0, seq); incomplete → reset
-
-  After the engine's connection dropped (ZMQ monitor) or its HTTP side stopped
-  answering, the sequence alone cannot tell a restarted engine whose first batches were
-  lost from the old one: the engine's replay of our last batch number must then return
-  our last batch byte for byte, else it is a new engine life (reset, replay from 0).
-
-  A reset forgets every key and publishes ``cleared`` (readers drop this replica's
-  view), so a gap can never leave a stale key behind; the view is rebuilt from what
-  arrives next (blocks whose parents were lost are not guessed).
+* **events**: live batches from the engine's PUB socket, through the sequence follower
+  (bridge/follower.py: gaps, replays, restarts, resets) and the key translator into the
+  Redis writer's queue;
 * **writes**: the Redis writer's queue (snapshot first when one is due), with jittered
-  backoff while Redis is down.
+  backoff while Redis is down;
 * **heartbeat**: the engine's ``/metrics`` → load → registry record. No heartbeat while
   the engine does not answer, so its record expires and gateways stop routing to it.
 
@@ -33,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -42,12 +26,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from bridge.engine_load import parse_load
-from bridge.events import AllBlocksCleared, BadPayload, BlockRemoved, BlockStored, decode_batch
+from bridge.follower import EventFollower
+from bridge.media import MediumMap
 from bridge.redis_out import REDIS_ERRORS, RedisWriter, WriterConfig
 from bridge.translate import KeyTranslator
-from bridge.zmq_source import EngineEvents, Message
+from bridge.zmq_source import EngineEvents
 from router.backoff import Backoff
-from router.protocol import DEFAULT_BLOCK_SIZE
+from router.protocol import DEFAULT_BLOCK_SIZE, Medium
 
 log = logging.getLogger("prefixgate.bridge")
 
@@ -63,7 +48,10 @@ class BridgeConfig:
     replica_id: str | None = None  # None: host:port of the advertised URL
     advertise_url: str | None = None  # None: the engine URL
     block_size: int = DEFAULT_BLOCK_SIZE
+    # Engine medium → tier overrides (--medium NAME=TIER; bridge/media.py), upper-cased.
+    media: dict[str, Medium | None] = field(default_factory=dict)
     tokenizer: str | None = None  # for the parity check; None: the model name
+    chat_template: str | None = None  # jinja source (--chat-template), for the parity check
     check_tokenizer: bool = True
     heartbeat_s: float = 1.0
     info_ttl_s: float = 5.0
@@ -82,18 +70,8 @@ class BridgeConfig:
 
 @dataclass(slots=True)
 class BridgeStats:
-    batches: int = 0
-    bad_batches: int = 0
-    skipped_events: int = 0
-    gaps: int = 0
-    replays_ok: int = 0
-    replays_failed: int = 0
-    engine_restarts: int = 0
-    resets: int = 0
     tokenizer_ok: bool | None = None  # None: not checked (yet)
     engine_up: bool = False
-    last_seq: int | None = None
-    lags_s: list[float] = field(default_factory=list)  # engine ts → queued, last 1000
 
 
 class Bridge:
@@ -101,11 +79,8 @@ class Bridge:
         self.config = config
         # Subscribed at once, so batches sent while the model name is resolved queue up.
         self.source = EngineEvents(config.kv_events, config.replay, config.topic)
-        self.translator: KeyTranslator | None = None
+        self.follower: EventFollower | None = None  # set by start(), with the model name
         self.writer: RedisWriter | None = None
-        self.expected: int | None = None  # the next engine seq; None: no batch seen yet
-        self._engine_was_down = False  # HTTP or ZMQ connection lost since the last batch
-        self._last_digest = b""  # SHA-256 of the last batch applied
         self._wake = asyncio.Event()
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -117,14 +92,15 @@ class Bridge:
     async def start(self) -> None:
         model = self.config.model or await self._wait_for_model()
         self.config.model = model
-        self.translator = KeyTranslator(model, self.config.block_size)
         c = self.config
+        translator = KeyTranslator(model, c.block_size, MediumMap(dict(c.media)))
         self.writer = RedisWriter(
             WriterConfig(
                 c.redis_url, c.resolved_replica_id, c.url, model, c.block_size, c.info_ttl_s
             ),
-            self.translator.snapshot,
+            translator.snapshot,
         )
+        self.follower = EventFollower(self.source, translator, self.writer, c.replay_timeout_s)
         log.info(
             "bridging engine %s (model %s, events %s) as replica %s into %s",
             c.engine_url,
@@ -174,101 +150,20 @@ class Bridge:
                     next_note += 30.0
                 await backoff.wait()
 
+    @property
+    def translator(self) -> KeyTranslator | None:
+        return self.follower.translator if self.follower is not None else None
+
     # ----------------------------------------------------------------------- events
 
     async def _events_loop(self) -> None:
+        assert self.follower is not None
         while not self._closing:
             message = await self.source.recv(timeout_s=0.5)
             if message is None:
                 continue
-            try:
-                await self.handle(message)
-            except Exception:  # one bad batch must not stop the bridge
-                log.exception("engine batch %d could not be applied; resetting", message.seq)
-                self._reset()
+            await self.follower.follow(message)
             self._wake.set()
-
-    async def handle(self, message: Message) -> None:
-        """Fold one live batch in, repairing the sequence before it when needed."""
-        if await self.source.take_disconnected():
-            self._engine_was_down = True
-        seq, expected = message.seq, self.expected
-        if expected is None:
-            if seq > 0:
-                await self._catch_up(0, seq)
-        elif seq < expected or (self._engine_was_down and not await self._same_life(expected)):
-            log.warning(
-                "engine restarted (seq %d, expected %d): forgetting its cache", seq, expected
-            )
-            self.stats.engine_restarts += 1
-            self._reset()
-            if seq > 0:
-                await self._catch_up(0, seq)
-        elif seq > expected:
-            self.stats.gaps += 1
-            await self._catch_up(expected, seq)
-        self._engine_was_down = False
-        self._apply(message)
-
-    async def _same_life(self, expected: int) -> bool:
-        """After the engine was away: is it the process we followed? Its replay buffer
-        holds our last batch, byte for byte, only if so (a new process restarts its
-        sequence, and its batch under that number differs)."""
-        replayed = await self.source.replay(expected - 1, self.config.replay_timeout_s)
-        last = next((m for m in replayed or () if m.seq == expected - 1), None)
-        return last is not None and hashlib.sha256(last.payload).digest() == self._last_digest
-
-    async def _catch_up(self, start: int, live_seq: int) -> None:
-        """Replay [start, live_seq) from the engine, or reset when it cannot be had whole."""
-        replayed = await self.source.replay(start, self.config.replay_timeout_s)
-        missing = [m for m in replayed or () if start <= m.seq < live_seq]
-        if replayed is not None and [m.seq for m in missing] == list(range(start, live_seq)):
-            self.stats.replays_ok += 1
-            for m in missing:
-                self._apply(m)
-            return
-        self.stats.replays_failed += 1
-        log.warning(
-            "events %d..%d missed and not replayable; republishing this replica from scratch",
-            start,
-            live_seq - 1,
-        )
-        self._reset()
-
-    def _reset(self) -> None:
-        assert self.translator is not None and self.writer is not None
-        self.stats.resets += 1
-        self.translator.cleared()
-        self.writer.cleared()
-        self.writer.need_snapshot = True
-
-    def _apply(self, message: Message) -> None:
-        assert self.translator is not None and self.writer is not None
-        self.expected = message.seq + 1
-        self._last_digest = hashlib.sha256(message.payload).digest()
-        self.stats.last_seq = message.seq
-        self.stats.batches += 1
-        try:
-            batch = decode_batch(message.payload)
-        except BadPayload as exc:
-            self.stats.bad_batches += 1
-            log.warning("engine batch %d is not an EventBatch (%s); skipped", message.seq, exc)
-            return
-        self.stats.skipped_events += batch.skipped
-        ts = batch.ts
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                stored = self.translator.stored(event)
-                self.writer.stored(stored.parent, stored.keys, ts)
-            elif isinstance(event, BlockRemoved):
-                self.writer.removed(self.translator.removed(event), ts)
-            elif isinstance(event, AllBlocksCleared):
-                self.translator.cleared(event)
-                self.writer.cleared(ts)
-        lags = self.stats.lags_s
-        lags.append(max(0.0, time.time() - ts))
-        if len(lags) > 1000:
-            del lags[:500]
 
     # ----------------------------------------------------------------------- Redis
 
@@ -298,7 +193,8 @@ class Bridge:
                 if self.stats.engine_up:
                     log.warning("engine %s not answering (%s); not heartbeating", metrics_url, exc)
                 self.stats.engine_up = False
-                self._engine_was_down = True
+                assert self.follower is not None
+                self.follower.engine_was_down = True
             else:
                 if not self.stats.engine_up:
                     log.info("engine %s answers; heartbeating", self.config.engine_url)
@@ -322,7 +218,7 @@ class Bridge:
         source = self.config.tokenizer or self.config.model
         assert source is not None
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, source)
+            tokenizer = await asyncio.to_thread(load_tokenizer, source, self.config.chat_template)
             await self._wait_for_model()  # the engine may still be starting (minutes)
             results = await check(self.config.engine_url, tokenizer, self.config.model)
         except Exception as exc:  # a failed check must not stop the bridge

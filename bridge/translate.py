@@ -21,6 +21,20 @@ takes back exactly those keys. A key produced by two engine blocks (possible whe
 engine hashes inputs prefixgate's keys do not cover, e.g. multimodal ids) is counted and
 leaves only with its last producer. A stored block whose parent is unknown (events were
 missed) is never guessed: ``stored`` reports it as an orphan and produces nothing.
+
+Tiers (bridge/media.py maps the engine's ``medium``): an engine block keeps the same hash
+in every medium, so a block's copies are counted per tier, and the block is routed as on
+the device while it has a copy there, else as on the host:
+
+    store in a tier          a new block's keys appear in that tier; a host block's
+                             keys are promoted by a device copy
+    remove in a tier         a block's last copy gone: its keys are removed (unless
+                             another block produces them); the device copy gone and a
+                             host copy left: its keys are demoted to the host
+    AllBlocksCleared         every tier is forgotten (vLLM sends one per cache reset)
+
+A bare store (no token ids, as vLLM's offloading connectors send by default) adds a
+copy to a block already described, and is counted and skipped for one never seen.
 """
 
 from __future__ import annotations
@@ -30,17 +44,17 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from bridge.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, salt_of
+from bridge.media import MediumMap
+from bridge.published import PublishedKeys
 from router.protocol import (
     DEFAULT_BLOCK_SIZE,
+    Medium,
     SnapshotBlock,
     chain_key,
     encode_tokens,
     root_key,
     short_key,
 )
-
-# Where the engine keeps blocks it can hit on: vLLM's GPU medium (None in older versions).
-TRACKED_MEDIA = (None, "GPU")
 
 
 class BlockState(NamedTuple):
@@ -51,63 +65,106 @@ class BlockState(NamedTuple):
     last_key: bytes | None  # full key of the last complete group; None: still at the root
     tail: tuple[int, ...]  # tokens after last_key, fewer than a block
     keys: tuple[bytes, ...]  # short keys this engine block completed
+    parent: bytes | None  # short key before keys[0] (None: keys start at the root)
 
 
-class Stored(NamedTuple):
-    """A chain to publish: ``keys`` in order, the first a child of ``parent``."""
+class Copies(NamedTuple):
+    """How many times the engine announced a block in each tier, less its removals there
+    (vLLM may hold duplicate device blocks of one hash, and re-announces offloaded ones
+    once per chunk that covers them; each leaves with its own removal)."""
+
+    device: int = 0
+    host: int = 0
+
+    @property
+    def tier(self) -> Medium | None:
+        """Where routing finds the block: the device when it has a copy there."""
+        return "device" if self.device else "host" if self.host else None
+
+    def plus(self, tier: Medium, n: int) -> Copies:
+        if tier == "device":
+            return Copies(self.device + n, self.host)
+        return Copies(self.device, self.host + n)
+
+
+class Chain(NamedTuple):
+    """Keys to publish as stored in ``medium``, in order, the first a child of ``parent``."""
 
     parent: bytes | None
     keys: tuple[bytes, ...]
-    orphan: bool  # the parent was unknown: nothing was produced
+    medium: Medium
+
+
+class Update(NamedTuple):
+    """What one engine event changes in the published view."""
+
+    stored: tuple[Chain, ...] = ()  # new, refreshed, promoted or demoted keys
+    removed: tuple[bytes, ...] = ()  # keys held in no tier any more
+    orphan: bool = False  # a stored block's parent was unknown: nothing was produced
+
+    @property
+    def stored_keys(self) -> tuple[bytes, ...]:
+        return tuple(k for chain in self.stored for k in chain.keys)
 
 
 @dataclass(slots=True)
 class TranslatorStats:
-    stored_blocks: int = 0
-    removed_blocks: int = 0
+    stored_blocks: int = 0  # engine blocks seen for the first time
+    removed_blocks: int = 0  # removals of a block's copy in a tier
     orphans: int = 0  # stored events dropped because their parent was unknown
-    unknown_removals: int = 0  # removed engine blocks we never saw stored
-    ignored: int = 0  # events for another medium or KV-cache group
+    unknown_removals: int = 0  # removed copies we never saw stored
+    undescribed: int = 0  # bare store announcements for blocks never described
+    ignored: int = 0  # events for an untracked medium or another KV-cache group
+
+
+@dataclass(slots=True)
+class _Changes:
+    stored: list[tuple[bytes, Medium]] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class KeyTranslator:
     model_id: str
     block_size: int = DEFAULT_BLOCK_SIZE
-    blocks: dict[BlockHash, BlockState] = field(default_factory=dict)
-    # The published mirror: short key → (short parent, how many engine blocks produced it).
-    parents: dict[bytes, bytes | None] = field(default_factory=dict)
-    producers: dict[bytes, int] = field(default_factory=dict)
+    media: MediumMap = field(default_factory=MediumMap)
+    blocks: dict[BlockHash, BlockState] = field(default_factory=dict)  # held in some tier
+    copies: dict[BlockHash, Copies] = field(default_factory=dict)  # same keys as blocks
+    published: PublishedKeys = field(default_factory=PublishedKeys)
     stats: TranslatorStats = field(default_factory=TranslatorStats)
 
-    def stored(self, event: BlockStored) -> Stored:
-        if event.medium not in TRACKED_MEDIA or event.group_idx not in (None, 0):
-            self.stats.ignored += 1
-            return Stored(None, (), orphan=False)
+    def stored(self, event: BlockStored) -> Update:
+        tier = self._tier(event.medium, event.group_idx)
+        if tier is None:
+            return Update()
+        changes = _Changes()
+        if not event.token_ids:  # a bare announcement: only blocks described before
+            for block_hash in event.block_hashes:
+                known = self.blocks.get(block_hash)
+                if known is None:
+                    self.stats.undescribed += 1
+                else:
+                    self._count(block_hash, known, tier, +1, changes, announced=tier)
+            return self._update(changes)
         if event.parent is None:
             model = event.lora_name or self.model_id
-            state = BlockState(model, salt_of(event), None, (), ())
+            state = BlockState(model, salt_of(event), None, (), (), None)
         elif event.parent in self.blocks:
             state = self.blocks[event.parent]
         else:
             self.stats.orphans += 1
-            return Stored(None, (), orphan=True)
-        first_parent = short_key(state.last_key) if state.last_key is not None else None
-        produced: list[bytes] = []
+            return Update(orphan=True)
         size = event.block_size
         for i, block_hash in enumerate(event.block_hashes):
             known = self.blocks.get(block_hash)
-            if known is not None:  # re-stored (e.g. replayed): same state, nothing new
+            if known is None:
+                state = self._advance(state, event.token_ids[i * size : (i + 1) * size])
+                self.blocks[block_hash] = state
+                self.stats.stored_blocks += 1
+            else:  # another copy (another tier, a duplicate block): same state
                 state = known
-                produced.extend(known.keys)
-                continue
-            parent = short_key(state.last_key) if state.last_key is not None else None
-            state = self._advance(state, event.token_ids[i * size : (i + 1) * size])
-            self.blocks[block_hash] = state
-            self._add_keys(state.keys, parent)
-            produced.extend(state.keys)
-            self.stats.stored_blocks += 1
-        return Stored(first_parent, tuple(produced), orphan=False)
+            self._count(block_hash, state, tier, +1, changes, announced=tier)
+        return self._update(changes)
 
     def _advance(self, state: BlockState, tokens: Iterable[int]) -> BlockState:
         B = self.block_size
@@ -122,65 +179,109 @@ class KeyTranslator:
             prev = chain_key(prev, encode_tokens(buffer[g * B : (g + 1) * B]))
             shorts.append(short_key(prev))
         last = prev if n_full else state.last_key
-        return BlockState(state.model_id, state.salt, last, buffer[n_full * B :], tuple(shorts))
+        parent = short_key(state.last_key) if state.last_key is not None else None
+        tail = buffer[n_full * B :]
+        return BlockState(state.model_id, state.salt, last, tail, tuple(shorts), parent)
 
-    def _add_keys(self, keys: tuple[bytes, ...], parent: bytes | None) -> None:
-        for key in keys:
-            count = self.producers.get(key, 0)
-            if count == 0:
-                self.parents[key] = parent
-            self.producers[key] = count + 1
-            parent = key
-
-    def removed(self, event: BlockRemoved) -> tuple[bytes, ...]:
-        """The short keys that left the cache with these engine blocks."""
-        if event.medium not in TRACKED_MEDIA or event.group_idx not in (None, 0):
-            self.stats.ignored += 1
-            return ()
-        gone: list[bytes] = []
+    def removed(self, event: BlockRemoved) -> Update:
+        """The keys that left the cache with these engine blocks' copies in the event's
+        tier, and those that now live only in the other tier (demoted)."""
+        tier = self._tier(event.medium, event.group_idx)
+        if tier is None:
+            return Update()
+        changes = _Changes()
         for block_hash in event.block_hashes:
-            state = self.blocks.pop(block_hash, None)
-            if state is None:
+            state = self.blocks.get(block_hash)
+            held = self.copies.get(block_hash, Copies())
+            if state is None or not (held.device if tier == "device" else held.host):
                 self.stats.unknown_removals += 1
                 continue
             self.stats.removed_blocks += 1
-            for key in state.keys:
-                count = self.producers[key] - 1
-                if count:
-                    self.producers[key] = count
-                else:
-                    del self.producers[key]
-                    del self.parents[key]
-                    gone.append(key)
-        return tuple(gone)
+            self._count(block_hash, state, tier, -1, changes, announced=None)
+        return self._update(changes)
+
+    def _tier(self, medium: str | None, group_idx: int | None) -> Medium | None:
+        tier = self.media.tier(medium) if group_idx in (None, 0) else None
+        if tier is None:
+            self.stats.ignored += 1
+        return tier
+
+    def _count(
+        self,
+        block_hash: BlockHash,
+        state: BlockState,
+        tier: Medium,
+        n: int,
+        changes: _Changes,
+        announced: Medium | None,
+    ) -> None:
+        """Add ``n`` copies of the block in ``tier`` and note what that changed for its
+        keys. ``announced``: a store's tier, whose keys are published even when their
+        tier did not change (a refresh for readers' LRU); None for a removal."""
+        before = self.copies.get(block_hash, Copies())
+        after = before.plus(tier, n)
+        if after.tier is None:
+            del self.copies[block_hash]
+            del self.blocks[block_hash]
+        else:
+            self.copies[block_hash] = after
+        published = self.published
+        keys = state.keys
+        was = [published.tier(k) for k in keys]
+        if before.tier is None and after.tier is not None:
+            published.add(keys, state.parent, after.tier)
+        elif before.tier is not None and after.tier is None:
+            published.drop(keys, before.tier)
+        elif before.tier != after.tier and after.tier is not None:
+            published.move(keys, after.tier)
+        for key, old in zip(keys, was, strict=True):
+            new = published.tier(key)
+            if new is None:
+                if old is not None:
+                    changes.removed.append(key)
+            elif new == announced or new != old:
+                changes.stored.append((key, new))
+
+    def _update(self, changes: _Changes) -> Update:
+        """Stored keys as chains: a chain continues while the next key is the child of
+        the one before and in the same tier."""
+        chains: list[Chain] = []
+        parents = self.published.parents
+        run: list[bytes] = []
+        run_tier: Medium = "device"
+        for key, tier in changes.stored:
+            if run and (tier != run_tier or parents[key] != run[-1]):
+                chains.append(Chain(parents[run[0]], tuple(run), run_tier))
+                run = []
+            run.append(key)
+            run_tier = tier
+        if run:
+            chains.append(Chain(parents[run[0]], tuple(run), run_tier))
+        return Update(tuple(chains), tuple(changes.removed))
 
     def cleared(self, event: AllBlocksCleared | None = None) -> None:
-        """Forget everything (the engine dropped its cache, restarted, or events were lost
-        beyond repair)."""
+        """Forget everything, in every tier (the engine dropped its cache, restarted, or
+        events were lost beyond repair)."""
         self.blocks.clear()
-        self.parents.clear()
-        self.producers.clear()
+        self.copies.clear()
+        self.published.clear()
 
     def snapshot(self) -> list[SnapshotBlock]:
-        """The published keys, parents before children."""
-        out: list[SnapshotBlock] = []
-        emitted: set[bytes] = set()
-        for key in self.parents:
-            path: list[bytes] = []
-            k: bytes | None = key
-            while k is not None and k in self.parents and k not in emitted and k not in path:
-                path.append(k)
-                k = self.parents[k]
-            for node in reversed(path):
-                out.append(SnapshotBlock(self.parents[node], node))
-                emitted.add(node)
-        return out
+        """The published keys with their tiers, parents before children."""
+        return self.published.snapshot()
 
     def check_invariants(self) -> None:
-        counts: dict[bytes, int] = {}
-        for state in self.blocks.values():
+        assert self.blocks.keys() == self.copies.keys(), "blocks and their copies disagree"
+        producers: dict[bytes, int] = {}
+        on_device: dict[bytes, int] = {}
+        for block_hash, state in self.blocks.items():
             assert len(state.tail) < self.block_size, "a tail holds a whole block"
+            held = self.copies[block_hash]
+            assert held.device >= 0 and held.host >= 0 and held.tier is not None, "no copy"
             for key in state.keys:
-                counts[key] = counts.get(key, 0) + 1
-        assert counts == self.producers, "producer counts differ from the blocks' keys"
-        assert self.parents.keys() == self.producers.keys(), "mirror and counts disagree"
+                producers[key] = producers.get(key, 0) + 1
+                if held.tier == "device":
+                    on_device[key] = on_device.get(key, 0) + 1
+        assert producers == self.published.producers, "producer counts differ from blocks"
+        assert on_device == self.published.on_device, "device counts differ from blocks"
+        self.published.check_invariants()

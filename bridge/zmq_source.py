@@ -86,9 +86,11 @@ class EngineEvents:
             frames = await self._sub.recv_multipart()
             if len(frames) == 3:
                 try:
-                    return Message(decode_seq(frames[1]), frames[2])
+                    seq = decode_seq(frames[1])
                 except BadPayload:
-                    pass
+                    seq = -1
+                if seq >= 0:  # engines count from 0; -1 only ends a replay
+                    return Message(seq, frames[2])
             self.malformed += 1
 
     async def replay(self, start_seq: int, timeout_s: float) -> list[Message] | None:

@@ -58,7 +58,8 @@ class FakeEngine:
         self.topic = topic.encode()
         self.cached: dict[Any, list[int]] = {}  # engine hash -> the block's tokens
         self._ctx = zmq.Context()
-        self._queue: queue.Queue[tuple[bytes, bool, bool] | None] = queue.Queue()
+        # (payload, send, keep for replay, seq): batches in order for the socket thread.
+        self._queue: queue.Queue[tuple[bytes, bool, bool, int] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.seq = 0
         self.sent = 0
@@ -103,7 +104,6 @@ class FakeEngine:
             router.setsockopt(zmq.LINGER, 0)
             bind_again(router, self.replay_endpoint)
         buffer: deque[tuple[int, bytes]] = deque(maxlen=10_000)
-        seq = 0
         self._ready.set()
         try:
             while True:
@@ -120,13 +120,12 @@ class FakeEngine:
                     continue
                 if item is None:
                     return
-                payload, send, keep = item
+                payload, send, keep, seq = item
                 if send:
                     pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
                     self.sent += 1
                 if keep:
                     buffer.append((seq, payload))
-                seq += 1
         finally:
             pub.close(0)
             if router is not None:
@@ -136,11 +135,12 @@ class FakeEngine:
 
     def publish(self, events: list[Any], *, send: bool = True, replayable: bool = True) -> int:
         """One EventBatch; ``send=False`` loses it on the wire (a gap), ``replayable=False``
-        drops it from the replay buffer too. Returns its seq."""
+        drops it from the replay buffer too. Returns its seq (``self.seq``, which a test
+        may move to fake a corrupt sequence)."""
         batch = [time.time(), events]  # EventBatch is array_like
         seq = self.seq
         self.seq += 1
-        self._queue.put((msgpack.packb(batch), send, replayable))
+        self._queue.put((msgpack.packb(batch), send, replayable, seq))
         return seq
 
     def _event(self, tag: str, fields: dict[str, Any]) -> Any:
@@ -198,10 +198,42 @@ class FakeEngine:
         self.publish([self._event("BlockStored", fields)], send=send, replayable=replayable)
         return hashes
 
-    def drop(self, hashes: list[Any], *, send: bool = True, replayable: bool = True) -> None:
-        for h in hashes:
-            self.cached.pop(h, None)
-        fields = {"block_hashes": hashes, "medium": "GPU"}
+    def offload(self, tokens: list[int], *, medium: str = "CPU", bare: bool = False) -> list[Any]:
+        """Announce every full block of a prompt as copied to another medium, as vLLM's
+        offloading connector does: with tokens and parents (``self_describing_kv_events``)
+        or ``bare`` (hashes only, no tokens, block_size 0: its default). The engine's own
+        (GPU) cache is unchanged. Returns every block's engine hash."""
+        B = self.block_size
+        hashes: list[Any] = []
+        parent: Any = None
+        for i in range(len(tokens) // B):
+            parent = self._hash(parent, tokens[i * B : (i + 1) * B], "None/")
+            hashes.append(parent)
+        fields = {
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": [] if bare else tokens[: len(hashes) * B],
+            "block_size": 0 if bare else B,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+            "extra_keys": None,
+        }
+        self.publish([self._event("BlockStored", fields)])
+        return hashes
+
+    def drop(
+        self,
+        hashes: list[Any],
+        *,
+        send: bool = True,
+        replayable: bool = True,
+        medium: str = "GPU",
+    ) -> None:
+        if medium == "GPU":
+            for h in hashes:
+                self.cached.pop(h, None)
+        fields = {"block_hashes": hashes, "medium": medium}
         self.publish([self._event("BlockRemoved", fields)], send=send, replayable=replayable)
 
     def clear(self) -> None:

@@ -3,133 +3,24 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import random
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
 from bridge.service import Bridge, BridgeConfig
-from prefixgate.procs import free_port
-from router.protocol import KeySpace, short_key
+from bridge.translate import KeyTranslator
 from router.router import Router
 from router.sync import RedisSync
-from tests.bridge.fake_engine import VLLM_METRICS, FakeEngine, FakeEngineHTTP
+from tests.bridge.cluster import Cluster, keys, make_engine, tokens
+from tests.bridge.fake_engine import FakeEngineHTTP
 from tests.conftest import RedisServer, wait_until, wait_until_async
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(49152) for _ in range(n)]
-
-
-def keys(ids: list[int], salt: str = "", model: str = "m") -> list[bytes]:
-    return [short_key(k) for k in KeySpace(model, 16, salt).keys(ids)]
-
-
-@pytest.fixture
-def http() -> Iterator[FakeEngineHTTP]:
-    server = FakeEngineHTTP(metrics=VLLM_METRICS)
-    server.start()
-    yield server
-    server.stop()
-
-
-def make_engine(block_size: int = 16, connect: bool = False, **kw: Any) -> tuple[FakeEngine, str]:
-    """A fake engine and the endpoint the bridge must use."""
-    port, replay = free_port(), free_port()
-    if connect:  # the engine connects to a bridge that binds
-        engine = FakeEngine(f"tcp://127.0.0.1:{port}", f"tcp://*:{replay}", block_size, **kw)
-        return engine, f"tcp://*:{port}"
-    engine = FakeEngine(f"tcp://*:{port}", f"tcp://*:{replay}", block_size, **kw)
-    return engine, f"tcp://127.0.0.1:{port}"
-
-
-class Cluster:
-    def __init__(self, engine: FakeEngine, bridge: Bridge, router: Router, sync: RedisSync):
-        self.engine, self.bridge, self.router, self.sync = engine, bridge, router, sync
-
-    @property
-    def rid(self) -> str:
-        return self.bridge.config.resolved_replica_id
-
-    def matched(self, chain: list[bytes]) -> int:
-        return self.router.index.match(chain).get(self.rid, 0)
-
-    def holds_any(self, chain: list[bytes]) -> bool:
-        return any(self.router.index.holds(self.rid, k) for k in chain)
-
-    async def wait_matched(self, chain: list[bytes], n: int | None = None) -> None:
-        want = len(chain) if n is None else n
-        await wait_until_async(lambda: self.matched(chain) == want, 10, f"{want} keys indexed")
-
-    async def connected(self) -> None:
-        """Until the bridge receives live batches (ZMQ's subscription takes a moment; the
-        batches sent before it are replayed)."""
-
-        async def probe() -> bool:
-            self.engine.publish([])
-            return await _received(self.bridge)
-
-        await wait_until_async(probe, 10, "the bridge receiving batches")  # type: ignore[arg-type]
-
-
-async def _received(bridge: Bridge) -> bool:
-    try:
-        await wait_until_async(lambda: bridge.stats.batches > 0, 0.2, "a batch")
-    except AssertionError:
-        return False
-    return True
-
-
-@pytest.fixture
-async def cluster_factory(redis_server: RedisServer, http: FakeEngineHTTP) -> AsyncIterator[Any]:
-    made: list[Cluster] = []
-
-    async def make(
-        block_size: int = 16, connect: bool = False, snapshot_interval_s: float = 0.5, **kw: Any
-    ) -> Cluster:
-        engine, endpoint = make_engine(block_size, connect, **kw)
-        config = BridgeConfig(
-            engine_url=http.url,
-            kv_events=endpoint,
-            replay=engine.replay_endpoint.replace("*", "127.0.0.1"),  # type: ignore[union-attr]
-            redis_url=redis_server.url,
-            model="m",
-            check_tokenizer=False,
-            heartbeat_s=0.1,
-            info_ttl_s=1.0,
-            snapshot_interval_s=snapshot_interval_s,
-            replay_timeout_s=1.0,
-        )
-        bridge = Bridge(config)
-        engine.start()
-        await bridge.start()
-        router = Router()
-        sync = RedisSync(router, redis_server.url, poll_interval_s=0.05)
-        await sync.start()
-        cluster = Cluster(engine, bridge, router, sync)
-        made.append(cluster)
-        await cluster.connected()
-        await wait_until_async(lambda: cluster.rid in router.replicas, 10, "replica registered")
-        return cluster
-
-    yield make
-    for c in made:
-        await c.sync.aclose()
-        await c.bridge.stop()
-        c.engine.close()
 
 
 async def test_engine_blocks_become_the_protocols_keys_in_the_index(
@@ -181,7 +72,7 @@ async def test_a_gap_is_replayed(cluster_factory: Any) -> None:
     c.engine.store(b)
     await c.wait_matched(keys(a))
     await c.wait_matched(keys(b))
-    assert c.bridge.stats.replays_ok >= 1 and c.bridge.stats.resets == 0
+    assert c.follow.replays_ok >= 1 and c.follow.resets == 0
 
 
 async def test_a_gap_that_cannot_be_replayed_leaves_no_stale_key(cluster_factory: Any) -> None:
@@ -193,7 +84,7 @@ async def test_a_gap_that_cannot_be_replayed_leaves_no_stale_key(cluster_factory
     c.engine.store(b)
     await c.wait_matched(keys(b))
     assert not c.holds_any(keys(a))
-    assert c.bridge.stats.replays_failed == 1
+    assert c.follow.replays_failed == 1
     # A child of a block from before the gap is not guessed.
     c.engine.store(b + tokens(16, 9))
     c.engine.store(a + tokens(32, 10))
@@ -214,7 +105,7 @@ async def test_a_restarted_engine_starts_a_new_sequence(cluster_factory: Any) ->
 
     await wait_until_async(nudged, 10, "the new life's blocks indexed")
     assert not c.holds_any(keys(a))
-    assert c.bridge.stats.engine_restarts == 1
+    assert c.follow.engine_restarts == 1
 
 
 async def test_a_bridge_that_starts_late_replays_the_engines_history(
@@ -342,3 +233,100 @@ def test_the_bridge_process_serves_and_stops_cleanly(
             proc.wait()
         client.close()
         engine.close()
+
+
+@pytest.mark.parametrize("bare", [False, True])
+async def test_a_block_moved_to_cpu_is_a_host_tier_match_for_every_gateway(
+    cluster_factory: Any, redis_server: RedisServer, bare: bool
+) -> None:
+    """vLLM with its offloading connector: GPU blocks copied to the CPU, then evicted from
+    the GPU. The index prices what is left as a host-tier match (router.route's swap
+    term), a gateway that joins late gets the tiers from the snapshot, and the CPU
+    eviction removes the keys."""
+    c = await cluster_factory(128)
+    ids = tokens(512, 20)
+    chain = keys(ids)
+    hashes = c.engine.store(ids)
+    await c.wait_matched(chain)
+    c.engine.offload(ids, bare=bare)
+    c.engine.drop(hashes[2:])  # GPU eviction of the last two blocks: 16 keys demoted
+    await wait_until_async(
+        lambda: c.router.index.host_blocks(c.rid, chain) == 16, 10, "16 keys on the host"
+    )
+    assert c.matched(chain) == 32  # still a full match, half of it a copy away
+    assert c.router.index.host_blocks(c.rid, chain[:16]) == 0
+
+    late = Router()  # a gateway that starts now reads the snapshot, tiers included
+    sync = RedisSync(late, redis_server.url, poll_interval_s=0.05)
+    await sync.start()
+    try:
+        await wait_until_async(
+            lambda: (
+                late.index.host_blocks(c.rid, chain) == 16
+                and late.index.match(chain).get(c.rid) == 32
+            ),
+            10,
+            "the late gateway's view",
+        )
+    finally:
+        await sync.aclose()
+
+    c.engine.drop(hashes, medium="CPU")  # CPU eviction: the GPU's two blocks stay
+    await wait_until_async(lambda: c.matched(chain) == 16, 10, "host keys removed")
+    assert c.router.index.host_blocks(c.rid, chain) == 0 and not c.holds_any(chain[16:])
+    c.bridge.translator.check_invariants()  # type: ignore[union-attr]
+
+
+async def test_hostile_batches_are_skipped_or_reset_with_one_line_each(
+    cluster_factory: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = await cluster_factory(16)
+    a = tokens(64, 21)
+    c.engine.store(a)
+    await c.wait_matched(keys(a))
+    bad_events = [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [-1] * 16, "block_size": 16},
+        {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None,
+         "token_ids": [2**40] * 16, "block_size": 16},
+        {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None,
+         "token_ids": [1] * 16, "block_size": 0},
+        {"type": "BlockRemoved", "block_hashes": [4], "medium": ["GPU"]},
+        {"type": "BlockRemoved", "block_hashes": [5], "group_idx": {}},
+    ]  # fmt: skip
+    before = c.follow.skipped_events
+    c.engine.publish(bad_events)
+    await wait_until_async(lambda: c.follow.skipped_events == before + 5, 10, "skipped")
+    assert c.matched(keys(a)) == 4 and c.follow.resets == 0
+
+    # A batch that raises while applied (here: a translator defect) costs one warning
+    # line and a reset; the traceback only at debug level; the bridge goes on.
+    def broken(self: KeyTranslator, event: Any) -> Any:
+        raise RuntimeError("translator defect")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, "prefixgate.bridge"):
+        patch.setattr(KeyTranslator, "stored", broken)
+        c.engine.store(tokens(32, 22))
+        await wait_until_async(lambda: c.follow.failed_batches == 1, 10, "the failed batch")
+    lines = [r for r in caplog.records if "could not be applied" in r.getMessage()]
+    assert len(lines) == 1 and "RuntimeError: translator defect" in lines[0].getMessage()
+    assert lines[0].exc_info is None and "Traceback" not in caplog.text
+    await wait_until_async(lambda: not c.holds_any(keys(a)), 10, "the reset published")
+    b = tokens(64, 23)
+    c.engine.store(b)
+    await c.wait_matched(keys(b))
+
+
+async def test_a_sequence_jump_beyond_any_replay_buffer_resets_at_once(
+    cluster_factory: Any,
+) -> None:
+    """A hostile or corrupt seq far ahead is not asked for (nor enumerated)."""
+    c = await cluster_factory(16)
+    a = tokens(64, 24)
+    c.engine.store(a)
+    await c.wait_matched(keys(a))
+    c.engine.seq = 2**62  # the next batch claims 2**62 batches were missed
+    b = tokens(64, 25)
+    c.engine.store(b)
+    await c.wait_matched(keys(b))
+    assert not c.holds_any(keys(a)) and c.follow.replays_failed == 1

@@ -16,7 +16,7 @@ from bridge.events import (
     decode_batch,
     salt_of,
 )
-from bridge.translate import KeyTranslator
+from bridge.translate import KeyTranslator, Update
 from router.protocol import KeySpace, short_key
 
 
@@ -49,8 +49,9 @@ def store_pages(
             extra_keys=extra,
         )
         out = tr.stored(event)
-        assert not out.orphan
-        produced.extend(out.keys)
+        assert not out.orphan and not out.removed
+        assert all(chain.medium == "device" for chain in out.stored)
+        produced.extend(out.stored_keys)
         parent = hashes[-1]
         tr.check_invariants()
     return produced
@@ -88,7 +89,7 @@ def test_any_page_size_gives_the_protocols_keys(
     produced = store_pages(tr, ids, page, per_event=per_event, salt=salt)
     n_tokens = (len(ids) // page) * page
     assert produced == expected(ids[:n_tokens], salt=salt)
-    assert set(tr.parents) == set(produced)
+    assert set(tr.published.parents) == set(produced)
 
 
 def test_salt_and_lora_change_the_root() -> None:
@@ -97,7 +98,7 @@ def test_salt_and_lora_change_the_root() -> None:
     salted = tr.stored(
         BlockStored((1,), None, tuple(ids), 64, extra_keys=((("cache_salt", "s1"),),))
     )
-    assert list(salted.keys) == expected(ids, "served", "s1")
+    assert list(salted.stored_keys) == expected(ids, "served", "s1")
     lora = tr.stored(
         BlockStored(
             (2,),
@@ -108,12 +109,12 @@ def test_salt_and_lora_change_the_root() -> None:
             extra_keys=((("lora", "my-adapter", "/p"),),),
         )
     )
-    assert list(lora.keys) == expected(ids, "my-adapter")
+    assert list(lora.stored_keys) == expected(ids, "my-adapter")
     # A child inherits its parent's model and salt.
     more = tokens(16, seed=9)
     child = tr.stored(BlockStored((3,), 1, tuple(more), 16))
-    assert list(child.keys) == expected(ids + more, "served", "s1")[-1:]
-    assert child.parent == salted.keys[-1]
+    assert list(child.stored_keys) == expected(ids + more, "served", "s1")[-1:]
+    assert child.stored[0].parent == salted.stored_keys[-1]
 
 
 def test_removal_takes_back_exactly_the_blocks_keys() -> None:
@@ -121,9 +122,9 @@ def test_removal_takes_back_exactly_the_blocks_keys() -> None:
     tr = KeyTranslator("m")
     keys = store_pages(tr, ids, 128)
     gone = tr.removed(BlockRemoved((1001,), "GPU"))
-    assert gone == tuple(keys[8:])
-    assert set(tr.parents) == set(keys[:8])
-    assert tr.removed(BlockRemoved((4242,))) == ()  # never stored: nothing, counted
+    assert gone.removed == tuple(keys[8:]) and gone.stored == ()
+    assert set(tr.published.parents) == set(keys[:8])
+    assert tr.removed(BlockRemoved((4242,))).removed == ()  # never stored: nothing, counted
     assert tr.stats.unknown_removals == 1
     tr.check_invariants()
 
@@ -133,23 +134,25 @@ def test_a_key_from_two_engine_blocks_leaves_with_the_last() -> None:
     tr = KeyTranslator("m")
     a = tr.stored(BlockStored((1,), None, ids, 16))
     b = tr.stored(BlockStored((2,), None, ids, 16))  # same tokens, another engine hash
-    assert a.keys == b.keys
-    assert tr.removed(BlockRemoved((1,))) == ()
-    assert tr.removed(BlockRemoved((2,))) == a.keys
+    assert a.stored_keys == b.stored_keys
+    assert tr.removed(BlockRemoved((1,))).removed == ()
+    assert tr.removed(BlockRemoved((2,))).removed == a.stored_keys
     tr.check_invariants()
 
 
 def test_unknown_parent_is_an_orphan_and_produces_nothing() -> None:
     tr = KeyTranslator("m")
     out = tr.stored(BlockStored((7,), 6, tuple(tokens(16)), 16))
-    assert out.orphan and out.keys == () and not tr.parents
+    assert out.orphan and out.stored == () and not tr.published.parents
 
 
-def test_other_media_and_groups_are_ignored() -> None:
+def test_storage_media_and_other_groups_are_ignored() -> None:
     tr = KeyTranslator("m")
-    assert tr.stored(BlockStored((7,), None, tuple(tokens(16)), 16, medium="CPU")).keys == ()
-    assert tr.stored(BlockStored((8,), None, tuple(tokens(16)), 16, group_idx=1)).keys == ()
-    assert tr.stats.ignored == 2 and not tr.blocks
+    ids = tuple(tokens(16))
+    assert tr.stored(BlockStored((7,), None, ids, 16, medium="STORAGE")) == Update()
+    assert tr.stored(BlockStored((7,), None, ids, 16, medium="CPU_TIER2")) == Update()
+    assert tr.stored(BlockStored((8,), None, ids, 16, group_idx=1)) == Update()
+    assert tr.stats.ignored == 3 and not tr.blocks
 
 
 def test_snapshot_lists_parents_before_children() -> None:
@@ -170,7 +173,7 @@ def test_cleared_forgets_everything() -> None:
     tr = KeyTranslator("m")
     store_pages(tr, tokens(64), 16)
     tr.cleared(AllBlocksCleared())
-    assert not tr.blocks and not tr.parents and not tr.producers
+    assert not tr.blocks and not tr.copies and not tr.published.producers
 
 
 # --------------------------------------------------------------------------- decoding

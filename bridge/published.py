@@ -1,0 +1,97 @@
+"""The keys the bridge has published for its engine, and the tier each one is in.
+
+Several engine blocks can produce one prefixgate key (the same tokens under engine
+hashes that differ in what prefixgate's keys do not cover, e.g. multimodal ids), and
+each engine block sits in one tier at a time as far as routing cares (the device when
+it has a copy there, else the host). So per key:
+
+    producers[key]  engine blocks held in any tier that produced it   (> 0: published)
+    on_device[key]  of those, the blocks whose tier is the device     (0 < n <= producers)
+
+and a key's tier is ``device`` when any producer is on the device, ``host`` otherwise.
+``parents`` mirrors the chain (short key → short parent) for snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from router.protocol import Medium, SnapshotBlock
+
+
+@dataclass(slots=True)
+class PublishedKeys:
+    parents: dict[bytes, bytes | None] = field(default_factory=dict)
+    producers: dict[bytes, int] = field(default_factory=dict)
+    on_device: dict[bytes, int] = field(default_factory=dict)
+
+    def tier(self, key: bytes) -> Medium | None:
+        """Where routing finds ``key`` on this replica; None: not published."""
+        if key not in self.producers:
+            return None
+        return "device" if key in self.on_device else "host"
+
+    def add(self, keys: Iterable[bytes], parent: bytes | None, tier: Medium) -> None:
+        """One more producer of the chain ``keys`` (the first a child of ``parent``)."""
+        for key in keys:
+            count = self.producers.get(key, 0)
+            if count == 0:
+                self.parents[key] = parent
+            self.producers[key] = count + 1
+            if tier == "device":
+                self.on_device[key] = self.on_device.get(key, 0) + 1
+            parent = key
+
+    def drop(self, keys: Iterable[bytes], tier: Medium) -> None:
+        """One producer of ``keys``, in ``tier``, is gone."""
+        for key in keys:
+            if tier == "device":
+                _decrement(self.on_device, key)
+            if not _decrement(self.producers, key):
+                del self.parents[key]
+
+    def move(self, keys: Iterable[bytes], tier: Medium) -> None:
+        """One producer of ``keys`` is now in ``tier`` (it was in the other one)."""
+        for key in keys:
+            if tier == "device":
+                self.on_device[key] = self.on_device.get(key, 0) + 1
+            else:
+                _decrement(self.on_device, key)
+
+    def clear(self) -> None:
+        self.parents.clear()
+        self.producers.clear()
+        self.on_device.clear()
+
+    def snapshot(self) -> list[SnapshotBlock]:
+        """The published keys with their tiers, parents before children."""
+        out: list[SnapshotBlock] = []
+        emitted: set[bytes] = set()
+        for key in self.parents:
+            path: list[bytes] = []
+            k: bytes | None = key
+            while k is not None and k in self.parents and k not in emitted and k not in path:
+                path.append(k)
+                k = self.parents[k]
+            for node in reversed(path):
+                tier: Medium = "device" if node in self.on_device else "host"
+                out.append(SnapshotBlock(self.parents[node], node, tier))
+                emitted.add(node)
+        return out
+
+    def check_invariants(self) -> None:
+        assert self.parents.keys() == self.producers.keys(), "mirror and counts disagree"
+        for key, n in self.on_device.items():
+            assert 0 < n <= self.producers.get(key, 0), "more device producers than producers"
+        assert all(n > 0 for n in self.producers.values()), "a published key without producer"
+
+
+def _decrement(counts: dict[bytes, int], key: bytes) -> int:
+    """``counts[key] - 1``, the entry deleted at 0; returns what is left."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+    return left
