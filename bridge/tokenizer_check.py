@@ -8,7 +8,9 @@ every key differ, and routing silently falls back to optimistic guesses.
 Each case is a chat rendered by the gateway's tokenizer (the very object the gateway
 uses: ``SegmentCache`` over ``ChatTokenizer``) and by the engine's ``POST /tokenize``
 (vLLM, SGLang: ``{"model", "messages", "add_generation_prompt": true}``), compared id for
-id. Prints a pass/fail line per case and exits 1 on any failure.
+id. Prints a pass/fail line per case and exits 1 on any failure. With ``--chat-template
+FILE`` the gateway's side renders with that template, as a gateway started with the same
+flag does; the engine's side is what its own start-up template makes of a plain request.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import httpx
 
 from prefixgate.envflags import add_env_flag
 from prefixgate.segments import SegmentCache
-from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.tokenizer import ChatTokenizer, read_chat_template_file
 
 Chat = list[dict[str, str]]
 
@@ -62,8 +64,13 @@ class CaseResult(NamedTuple):
     detail: str  # where they first differ, or the engine's error
 
 
-def load_tokenizer(name_or_dir: str) -> SegmentCache:
-    return SegmentCache(ChatTokenizer.for_model(name_or_dir))
+def load_tokenizer(name_or_dir: str, chat_template: str | None = None) -> SegmentCache:
+    """The gateway's tokenizer for the model; ``chat_template``: the jinja source of a
+    ``--chat-template`` that replaces the model's own, as the gateway applies it."""
+    tokenizer = ChatTokenizer.for_model(name_or_dir)
+    if chat_template is not None:
+        tokenizer.set_chat_template(chat_template)
+    return SegmentCache(tokenizer)
 
 
 async def engine_model_name(client: httpx.AsyncClient, engine_url: str) -> str:
@@ -140,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p, "served-model", help="model name to send the engine (default: its first /v1/models)"
     )
+    add_env_flag(
+        p,
+        "chat-template",
+        metavar="FILE",
+        help="a jinja chat template instead of the model's own, as given to the gateway's "
+        "--chat-template (the engine must have been started with the same file: requests "
+        "to /tokenize do not carry it)",
+    )
     return p
 
 
@@ -149,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.engine_url or not args.model:
         parser.error("--engine-url and --model are required")
     try:
-        tokenizer = load_tokenizer(args.model)
+        template = read_chat_template_file(args.chat_template) if args.chat_template else None
+        tokenizer = load_tokenizer(args.model, template)
         results = asyncio.run(check(args.engine_url, tokenizer, args.served_model))
     except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
         print(f"prefixgate check-tokenizer: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -105,5 +106,85 @@ async def test_the_bridge_checks_parity_at_start_and_logs_a_mismatch_loudly(
         await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
         assert bridge.stats.tokenizer_ok is False
         assert "TOKENIZER MISMATCH" in caplog.text and "FAIL  system prompt" in caplog.text
+    finally:
+        await bridge.stop()
+
+
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[ASSISTANT]{% endif %}"
+)
+
+
+def test_a_chat_template_file_is_applied_to_the_gateways_side(
+    engine: FakeEngineHTTP, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine started with --chat-template FILE: the check passes only when given the
+    same file, as the gateway would be."""
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    templated = ChatTokenizer.for_model("tiny-random")
+    templated.set_chat_template(TEMPLATE)
+    engine.tokenize = templated.encode_chat
+    args = ["--engine-url", engine.url, "--model", "tiny-random"]
+    assert tokenizer_check.main(args) == 1  # the model's own template differs
+    assert "FAIL  single user turn" in capsys.readouterr().out
+    assert tokenizer_check.main([*args, "--chat-template", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == len(tokenizer_check.CASES), out
+
+
+def test_a_missing_or_broken_template_file_is_a_clear_error(
+    engine: FakeEngineHTTP, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--engine-url", engine.url, "--model", "tiny-random", "--chat-template"]
+    assert tokenizer_check.main([*args, str(tmp_path / "nope.jinja")]) == 2
+    assert "nope.jinja" in capsys.readouterr().err
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    assert tokenizer_check.main([*args, str(broken)]) == 2
+    assert "chat template" in capsys.readouterr().err and not engine.requests
+
+
+def test_the_bridge_takes_the_template_and_media_flags(tmp_path: Path) -> None:
+    from bridge.cli import parse_args
+
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    base = ["--engine-url", "http://e:8000", "--kv-events", "tcp://e:5557"]
+    config = parse_args([*base, "--chat-template", str(path), "--medium", "hbm=device"])
+    assert config.chat_template == TEMPLATE and config.media == {"HBM": "device"}
+    for bad in (["--medium", "HBM"], ["--chat-template", str(tmp_path / "nope")]):
+        with pytest.raises(SystemExit) as stop:
+            parse_args([*base, *bad])
+        assert stop.value.code == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_bridges_start_up_check_uses_its_chat_template(
+    anyio_backend: str, engine: FakeEngineHTTP
+) -> None:
+    from bridge.service import Bridge, BridgeConfig
+    from prefixgate.procs import free_port
+    from tests.conftest import wait_until_async
+
+    templated = ChatTokenizer.for_model("tiny-random")
+    templated.set_chat_template(TEMPLATE)
+    engine.tokenize = templated.encode_chat
+    config = BridgeConfig(
+        engine.url,
+        f"tcp://127.0.0.1:{free_port()}",
+        "redis://127.0.0.1:1/0",
+        model="served-name",
+        tokenizer="tiny-random",
+        chat_template=TEMPLATE,
+        heartbeat_s=0.1,
+    )
+    bridge = Bridge(config)
+    await bridge.start()
+    try:
+        await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
+        assert bridge.stats.tokenizer_ok is True
     finally:
         await bridge.stop()
