@@ -22,7 +22,7 @@ from typing import Any
 
 from loadtest.sim_client import BLOCK_SIZE, MODEL_ID, Conversation, WordTokenizer, reply_tokens
 from loadtest.sim_cost import CostModel
-from loadtest.sim_replica import RouterFeed, SimReplica, SimRequest
+from loadtest.sim_replica import BlockCounter, RouterFeed, SimReplica, SimRequest
 from loadtest.workloads import Session
 from replica.prefix_cache import PrefixCache
 from router.config import RouterConfig
@@ -46,6 +46,7 @@ class SimCluster:
         concurrency: int | None = None,
         prompts: Sequence[Sequence[list[int]]] | None = None,
         conversation_keys: bool = True,
+        host_blocks_per_replica: int = 0,
     ) -> None:
         self.now = 0.0
         self.conversation_keys = conversation_keys
@@ -57,7 +58,12 @@ class SimCluster:
             rid = f"replica-{i}"
             self.router.add_replica(rid, f"sim://{rid}", MODEL_ID, BLOCK_SIZE, static=True)
             cache = PrefixCache(
-                blocks_per_replica, BLOCK_SIZE, MODEL_ID, listener=RouterFeed(self.router, rid)
+                blocks_per_replica,
+                BLOCK_SIZE,
+                MODEL_ID,
+                listener=RouterFeed(self.router, rid),
+                host_blocks=host_blocks_per_replica,
+                mover=BlockCounter() if host_blocks_per_replica else None,
             )
             self.replicas.append(SimReplica(rid, cache, scale))
         self.events: list[tuple[float, int, str, Any]] = []
@@ -80,6 +86,7 @@ class SimCluster:
         self.ttfts: list[float] = []
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.host_cached_tokens = 0  # of the cached ones, found on a host tier
         self.last_sweep = 0.0
 
     def _push(self, at: float, kind: str, payload: Any) -> None:
@@ -142,8 +149,11 @@ class SimCluster:
             return
         self.prompt_tokens += len(request.tokens)
         self.cached_tokens += request.cached
+        self.host_cached_tokens += request.host_cached
         uncached = len(request.tokens) - request.cached
-        self._push(self.now + self.cost.prefill_s(uncached, replica.scale), "prefill_done", replica)
+        took = self.cost.prefill_s(uncached, replica.scale)
+        took += self.cost.swap_in_s(request.swapped_blocks, replica.scale)
+        self._push(self.now + took, "prefill_done", replica)
 
     def _prefill_done(self, replica: SimReplica) -> None:
         request = replica.finish_prefill(self.now, self.cost)

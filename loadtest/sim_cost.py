@@ -8,6 +8,10 @@ step ≈ 70 ms; see docs/BENCHMARKS.md, "Router: Simulation"):
   token and takes ``decode_s_per_token · (1 + batch_marginal · (b/scale − 1)⁺)`` for b
   running, so batching makes tokens cheaper but not free.
 
+* a prefix found on the replica's host KV tier is copied back before the prefill:
+  ``swap_in_s_per_block`` per block (0 by default: a CPU replica's copy is a memcpy,
+  negligible beside its prefill).
+
 ``scale`` is the replica's compute relative to one real replica: the oracle (one replica
 standing in for N) has ``scale = N``, so its prefill is N× faster and its batches N×
 larger for the same step time.
@@ -23,6 +27,7 @@ class CostModel:
     prefill_s_per_token: float = 0.0028
     decode_s_per_token: float = 0.070
     batch_marginal: float = 0.15
+    swap_in_s_per_block: float = 0.0
 
     def prefill_s(self, tokens: int, scale: float = 1.0) -> float:
         """Seconds to prefill ``tokens`` uncached prompt tokens."""
@@ -32,3 +37,7 @@ class CostModel:
         """Seconds of one decode step with ``batch`` requests running."""
         extra = max(0.0, batch / scale - 1.0)
         return self.decode_s_per_token * (1.0 + self.batch_marginal * extra)
+
+    def swap_in_s(self, blocks: int, scale: float = 1.0) -> float:
+        """Seconds to copy ``blocks`` blocks from the host tier to the device."""
+        return blocks * self.swap_in_s_per_block / scale

@@ -10,6 +10,11 @@ the real ``PrefixCache`` whose events reach the router as Redis would deliver th
   is a heap by end. A request's first token comes one decode step after its prefill.
 * When a reply ends, prompt + reply are committed to the cache and the blocks released
   (tail first, as the engine does).
+* With a host tier (``host_blocks``), the cache demotes evicted blocks there and a match
+  that reaches them is promoted when the prefill starts (as the engine's scheduler does);
+  the prefill then also takes the copy time (``CostModel.swap_in_s``), and demotions
+  cost nothing (a GPU copies them on a side stream). ``BlockCounter`` is the cache's
+  mover: there are no bytes to copy, only blocks to count.
 """
 
 from __future__ import annotations
@@ -29,6 +34,21 @@ from router.router import Router
 
 
 @dataclass(slots=True)
+class BlockCounter:
+    """The prefix cache's ``BlockMover`` in the simulator: counts the blocks each way."""
+
+    block_bytes: int = 0  # nothing is stored
+    demoted: int = 0
+    promoted: int = 0
+
+    def demote(self, device_blocks: Sequence[int], host_slots: Sequence[int]) -> None:
+        self.demoted += len(device_blocks)
+
+    def promote(self, host_slots: Sequence[int], device_blocks: Sequence[int]) -> None:
+        self.promoted += len(host_slots)
+
+
+@dataclass(slots=True)
 class SimRequest:
     conv: Conversation
     tokens: list[int]  # the prompt
@@ -36,6 +56,8 @@ class SimRequest:
     arrival: float
     replica: int = 0
     cached: int = 0  # prompt tokens matched in the cache when its prefill started
+    host_cached: int = 0  # of which found on the host tier
+    swapped_blocks: int = 0  # blocks copied back from the host tier for it
     block_ids: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     handle: InFlight | None = None  # the router's in-flight record
@@ -88,6 +110,7 @@ class SimReplica:
     version: int = 0  # bumped on every reschedule; a stale decode-done event is ignored
     requests: int = 0
     busy_s: float = 0.0  # time with a prefill or a decode batch running
+    unpaid_swap_blocks: int = 0  # promoted for a prefill that could not start yet
 
     @property
     def busy(self) -> bool:
@@ -100,6 +123,14 @@ class SimReplica:
         request = self.queue[0]
         cache, n = self.cache, len(request.tokens)
         match = cache.match(request.tokens)
+        host_tokens = match.host_tokens
+        swapped = 0
+        if host_tokens:  # copy the host tier's blocks in before the prefill
+            cached = match.cached_tokens
+            match, swapped = cache.promote(match)
+            if match.cached_tokens < cached:  # cut before the first block left on the host
+                host_tokens = swapped * BLOCK_SIZE
+        self.unpaid_swap_blocks += swapped  # copied now, paid by the next prefill to start
         held = list(match.block_ids)
         if match.cached_tokens % BLOCK_SIZE:  # a shared partial block: copy-on-write
             cache.release(held[-1:])
@@ -113,6 +144,8 @@ class SimReplica:
         self.queue.popleft()
         request.block_ids = held + fresh
         request.cached = match.cached_tokens
+        request.host_cached = host_tokens
+        request.swapped_blocks, self.unpaid_swap_blocks = self.unpaid_swap_blocks, 0
         self.prefilling = request
         return request
 

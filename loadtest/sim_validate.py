@@ -9,7 +9,9 @@ Both sides replay the very prompts the live client sends (the chat template over
 session's history), closed loop with the same concurrency and no think time. The
 simulator's compute model is ``ProfileCost``: the profile's step-time function in the
 shape ``sim_cost.CostModel`` has (a prompt's prefill in chunks of the engine's step
-budget; a decode step of ``batch`` sequences at the workload's mean context).
+budget; a decode step of ``batch`` sequences at the workload's mean context; a swap-in
+from the host tier at the profile's host bandwidth). ``--host-ratio R`` gives every
+replica, live and simulated, a host KV tier of R × its device pool.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.sim_client import BLOCK_SIZE
 from loadtest.sim_cost import CostModel
 from prefixgate.envflags import env_var
-from replica.sim.profile import COST_FIELDS, SimProfile
+from replica.sim.profile import COST_FIELDS, MIB, SimProfile
 from replica.sim.profiles import builtin_profiles, load_profile
 
 MODEL = "sim"
@@ -48,11 +51,19 @@ class ProfileCost(CostModel):
     def step_s(self, batch: int, scale: float = 1.0) -> float:
         return self.profile.decode_step_s(batch, batch * self.mean_context) / scale
 
+    def swap_in_s(self, blocks: int, scale: float = 1.0) -> float:
+        return self.profile.swap_in_s(blocks, BLOCK_SIZE) / scale
+
 
 def validation_profile(args: argparse.Namespace) -> SimProfile:
     """The profile, every cost constant multiplied by ``--slowdown``."""
     profile = load_profile(args.profile)
     return profile.with_overrides(**{f: getattr(profile, f) * args.slowdown for f in COST_FIELDS})
+
+
+def host_blocks(args: argparse.Namespace, blocks: int) -> int:
+    """The host tier per replica: ``--host-ratio`` × the device pool (0: none)."""
+    return round(blocks * args.host_ratio)
 
 
 def simulated(
@@ -73,9 +84,11 @@ def simulated(
         seed=args.seed,
         concurrency=args.concurrency,
         prompts=prompts,
+        host_blocks_per_replica=host_blocks(args, blocks),
     )
     return {
         "hit_rate": result.hit_rate,
+        "host_hit_rate": result.host_hit_rate,
         "ttft_p50_s": result.ttft_p50_s,
         "ttft_p99_s": result.ttft_p99_s,
         "total_time_s": result.total_time_s,
@@ -83,6 +96,12 @@ def simulated(
         "requests_per_replica": sorted(result.requests_per_replica),
         "busy_s_per_replica": sorted(round(b, 1) for b in result.busy_s_per_replica),
     }
+
+
+def tier_tokens(stats: dict[str, dict[str, Any]]) -> tuple[int, int]:
+    """Cached tokens matched, and of those found on the host tier, over every replica."""
+    hit = sum(int(s.get("hit_tokens", 0)) for s in stats.values())
+    return hit, sum(int(s.get("host_hit_tokens", 0)) for s in stats.values())
 
 
 def live(
@@ -96,12 +115,15 @@ def live(
     profile = validation_profile(args)
     for name in COST_FIELDS:
         os.environ[env_var("sim-" + name.replace("_", "-"))] = repr(getattr(profile, name))
+    host_mb = -(-host_blocks(args, blocks) * profile.block_bytes(BLOCK_SIZE) // MIB)
+    os.environ[env_var("host-cache-mb")] = str(host_mb)
     cluster = launch_cluster(args.replicas, MODEL, args.policy, blocks, run_dir)
     try:
         wait_ready(cluster, 300)
         cluster.warm_up(MODEL)
         cluster.reset_prefix_cache()
         cpu_before = cluster.replica_cpu_seconds()
+        tiers_before = tier_tokens(cluster.cache_stats())
         config = ReplayConfig(
             base_url=cluster.base_url,
             model=MODEL,
@@ -112,10 +134,15 @@ def live(
         )
         result = run_replay(sessions, config)
         cpu_after = cluster.replica_cpu_seconds()
+        tiers_after = tier_tokens(cluster.cache_stats())
     finally:
         cluster.stop()
     summary = result.to_json({})["summary"]
     out = {k: summary[k] for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "total_time_s")}
+    hit, host = (after - before for after, before in zip(tiers_after, tiers_before, strict=True))
+    # The replicas' counters split the client's hit rate by tier (they also count the
+    # re-matches of requests that waited for blocks, so only their ratio is used).
+    out["host_hit_rate"] = summary["hit_rate"] * host / hit if hit else 0.0
     out["requests"] = len(result.requests)
     out["requests_per_replica"] = sorted(summary["requests_per_replica"].values())
     out["errors"] = summary.get("errors")
@@ -143,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         "the host's (HTTP, JSON, tokenizing on a shared CPU)",
     )
     parser.add_argument("--fraction", type=float, default=0.3, help="cache / working set")
+    parser.add_argument(
+        "--host-ratio",
+        type=float,
+        default=0.0,
+        help="a host KV tier of this many times the device pool per replica (0: none)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], help="workload NAME=INT")
     parser.add_argument("--out", type=Path)

@@ -37,6 +37,7 @@ class SimResult:
     blocks_per_replica: int
     requests: int
     hit_rate: float  # cached prompt tokens / prompt tokens, whole cluster
+    host_hit_rate: float  # of which found on the replicas' host tiers
     requests_per_replica: list[int]
     busy_s_per_replica: list[float]
     ttft_p50_s: float
@@ -61,6 +62,7 @@ class SimResult:
             "policy": self.policy,
             "replicas": self.n_replicas,
             "hit_rate": round(self.hit_rate, 4),
+            "host_hit_rate": round(self.host_hit_rate, 4),
             "max/mean": round(self.load_imbalance, 3),
             "busy max/mean": round(self.busy_imbalance, 3),
             "ttft_p50_s": round(self.ttft_p50_s, 3),
@@ -83,12 +85,14 @@ def simulate(
     concurrency: int | None = None,
     prompts: Sequence[Sequence[list[int]]] | None = None,
     conversation_keys: bool = True,
+    host_blocks_per_replica: int = 0,
 ) -> SimResult:
     """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``; open loop
     (each session at its arrival time), or closed loop with ``concurrency`` sessions at a
     time. ``prompts``: each session's turns as whole prompts of token ids (else built
     from the sessions' words). ``conversation_keys``: route with each session's id as
-    its conversation key (False: as clients that send none)."""
+    its conversation key (False: as clients that send none). ``host_blocks_per_replica``:
+    a host KV tier of that many blocks per replica (0: none)."""
     sim = SimCluster(
         sessions,
         policy,
@@ -102,6 +106,7 @@ def simulate(
         concurrency=concurrency,
         prompts=prompts,
         conversation_keys=conversation_keys,
+        host_blocks_per_replica=host_blocks_per_replica,
     )
     sim.run()
     ttfts = sorted(sim.ttfts)
@@ -117,6 +122,7 @@ def simulate(
         blocks_per_replica=blocks_per_replica,
         requests=len(ttfts),
         hit_rate=sim.cached_tokens / sim.prompt_tokens if sim.prompt_tokens else 0.0,
+        host_hit_rate=sim.host_cached_tokens / sim.prompt_tokens if sim.prompt_tokens else 0.0,
         requests_per_replica=[r.requests for r in sim.replicas],
         busy_s_per_replica=[r.busy_s for r in sim.replicas],
         ttft_p50_s=_percentile(ttfts, 0.5),
@@ -160,8 +166,10 @@ def run_comparison(
     concurrency: int | None = None,
     prompts: Sequence[Sequence[list[int]]] | None = None,
     conversation_keys: bool = True,
+    host_blocks_per_replica: int = 0,
 ) -> list[SimResult]:
-    """The oracle (one replica, N× blocks and compute) first, then each policy.
+    """The oracle (one replica, N× blocks, host blocks and compute) first, then each
+    policy.
 
     Each replica holds ``cache_fraction`` of the workload's working set unless
     ``blocks_per_replica`` is given."""
@@ -179,6 +187,7 @@ def run_comparison(
         seed=seed,
         concurrency=concurrency,
         prompts=prompts,
+        host_blocks_per_replica=host_blocks_per_replica * n_replicas,
     )
     oracle.policy = "oracle"
     results = [oracle]
@@ -196,6 +205,7 @@ def run_comparison(
                 concurrency=concurrency,
                 prompts=prompts,
                 conversation_keys=conversation_keys,
+                host_blocks_per_replica=host_blocks_per_replica,
             )
         )
     return results
