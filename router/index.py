@@ -6,13 +6,17 @@ path of blocks before it. So the radix tree needs no explicit edges: the map
 the tree from the root. ``match`` stops at the first key no candidate holds, and
 ``lookup`` at the first key nobody holds.
 
-Memory and pauses are the design constraints (docs/BENCHMARKS.md, "Decision latency
-and index memory"): no container the garbage collector tracks grows with the index.
+Memory and pauses are the design constraints (docs/BENCHMARKS.md, "Decision latency,
+index memory, GC pauses"): no container the garbage collector tracks grows with the
+index, and a block costs its key, one node-map entry and 16 bytes per holding.
 
-* node   = one dict entry ``short key (16 B) -> int bitmask of replica slots``; masks
-  are interned so that a million nodes share a few dozen int objects;
-* LRU    = per replica a ``BlockLRU`` (router/lru.py): generations of untracked dicts
-  sharing the node map's key objects, plus bytearray logs of their order.
+* node = one dict entry ``short key (16 B) -> word``, an int packing per replica slot a
+  ``FIELD_BITS``-wide field: a held bit and the label of the LRU generation the holding
+  is in (router/lru.py). Words are interned, so a million nodes share a few thousand
+  int objects. The held bit of slot ``s`` is ``1 << s * FIELD_BITS``; a "holder word"
+  below is any int read that way;
+* LRU  = per replica a ``BlockLRU`` (router/lru.py): bytearray logs of raw keys per
+  generation; membership and generation are the node word's field, not a dict.
 
 A chain is touched deepest block first, so the first block of a prefix is always newer
 than its continuation and cap eviction takes a replica's oldest *leaves* first, keeping
@@ -29,7 +33,7 @@ key is on the device. ``host_blocks`` counts a match's host blocks, which the co
 prices as a copy instead of as free.
 
 The router's own optimistic insert (one per routing decision) can be deferred:
-``insert_later`` ORs the replica's bit into a small overlay ``key -> bits`` that
+``insert_later`` ORs the replica's held bit into a small overlay ``key -> bits`` that
 ``lookup`` consults, and ``fold`` (called by any update, by the router after a request,
 or by its sweep) does the real bookkeeping later. At 10⁶ blocks each of the ~6 dict
 operations per block of an eager insert is a cache miss; the overlay is small and hot.
@@ -43,7 +47,7 @@ from itertools import groupby, repeat, takewhile
 from operator import or_, truth
 from typing import NamedTuple
 
-from router.lru import BlockLRU
+from router.lru import FIELD_BITS, BlockLRU
 from router.protocol import Medium
 
 
@@ -65,12 +69,13 @@ class PrefixIndex:
     """Block keys held per replica, with matching, a per-replica cap and LRU eviction."""
 
     __slots__ = (
-        "_masks",
+        "_held_bits",
         "_nodes",
         "_pending",
         "_recent",
         "_replicas",
         "_slot_owner",
+        "_words",
         "max_blocks_per_replica",
     )
 
@@ -78,8 +83,9 @@ class PrefixIndex:
         if max_blocks_per_replica < 1:
             raise ValueError("max_blocks_per_replica must be positive")
         self.max_blocks_per_replica = max_blocks_per_replica
-        self._nodes: dict[bytes, int] = {}  # key -> bitmask of slots holding it
-        self._masks: dict[int, int] = {}  # interned mask ints (memory, see module doc)
+        self._nodes: dict[bytes, int] = {}  # key -> word (module doc)
+        self._words: dict[int, int] = {}  # interned words (router/lru.py writes both)
+        self._held_bits = 0  # the held bit of every slot ever allocated
         self._replicas: dict[str, _ReplicaBlocks] = {}
         self._slot_owner: list[str | None] = []  # slot -> replica id, None when free
         # Deferred optimistic inserts (``insert_later``), oldest first, and the overlay
@@ -98,8 +104,10 @@ class PrefixIndex:
             except ValueError:
                 slot = len(self._slot_owner)
                 self._slot_owner.append(replica_id)
+                self._held_bits |= 1 << slot * FIELD_BITS
             gen_size = max(1, self.max_blocks_per_replica // 8)
-            blocks = self._replicas[replica_id] = _ReplicaBlocks(slot, BlockLRU(gen_size))
+            lru = BlockLRU(gen_size, slot, self._nodes, self._words)
+            blocks = self._replicas[replica_id] = _ReplicaBlocks(slot, lru)
         return blocks
 
     def drop_replica(self, replica_id: str) -> None:
@@ -152,7 +160,7 @@ class PrefixIndex:
         the request): the routing decision then costs one small-dict update instead of
         ~6 dict operations per block on million-entry tables. ``held``: the replica's
         matched depth, whose blocks need no overlay entry."""
-        bit = 1 << self._blocks_of(replica_id).slot
+        bit = 1 << self._blocks_of(replica_id).slot * FIELD_BITS  # its held bit
         recent = self._recent
         new = keys[held:]
         if recent:
@@ -182,24 +190,19 @@ class PrefixIndex:
         self, replica_id: str, keys: Sequence[bytes], tentative_until: float | None
     ) -> None:
         blocks = self._blocks_of(replica_id)
-        bit = 1 << blocks.slot
-        nodes, lru, tentative = self._nodes, blocks.lru, blocks.tentative
+        hold, tentative = blocks.lru.hold, blocks.tentative
         for key in reversed(keys):  # deepest first: heads end up newest (module doc)
-            mask = nodes.get(key, 0)
-            if mask & bit:
-                lru.touch(key)
-                if tentative_until is None:  # an event confirms it
-                    tentative.pop(key, None)
-                continue  # a repeated optimistic insert keeps the first deadline
-            nodes[key] = self._intern(mask | bit)
-            lru.add(key)
-            if tentative_until is not None:
-                tentative[key] = tentative_until
+            if hold(key):
+                if tentative_until is not None:
+                    tentative[key] = tentative_until
+            elif tentative_until is None:  # an event confirms it
+                tentative.pop(key, None)
+            # (a repeated optimistic insert keeps the first deadline)
+        lru = blocks.lru
         while len(lru) > self.max_blocks_per_replica:
             key = lru.evict()
             tentative.pop(key, None)
             blocks.host.pop(key, None)
-            self._unset(key, bit)
 
     def remove(self, replica_id: str, keys: Iterable[bytes]) -> None:
         """The replica no longer holds ``keys`` in any tier (unknown keys are ignored)."""
@@ -207,12 +210,10 @@ class PrefixIndex:
         blocks = self._replicas.get(replica_id)
         if blocks is None:
             return
-        bit = 1 << blocks.slot
         for key in keys:
             if blocks.lru.discard(key):
                 blocks.tentative.pop(key, None)
                 blocks.host.pop(key, None)
-                self._unset(key, bit)
 
     def clear(self, replica_id: str) -> None:
         """The replica holds nothing (its slot stays)."""
@@ -220,9 +221,6 @@ class PrefixIndex:
         blocks = self._replicas.get(replica_id)
         if blocks is None:
             return
-        bit = 1 << blocks.slot
-        for key in blocks.lru:
-            self._unset(key, bit)
         blocks.lru.clear()
         blocks.tentative.clear()
         blocks.host.clear()
@@ -241,21 +239,11 @@ class PrefixIndex:
         self.remove(replica_id, expired)
         return len(expired)
 
-    def _unset(self, key: bytes, bit: int) -> None:
-        mask = self._nodes[key] & ~bit
-        if mask:
-            self._nodes[key] = self._intern(mask)
-        else:
-            del self._nodes[key]
-
-    def _intern(self, mask: int) -> int:
-        return self._masks.setdefault(mask, mask)
-
     # ----------------------------------------------------------------------- queries
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
-        """The holder masks of the leading keys somebody holds (deferred inserts
-        included), for ``depths``: it stops at the first key nobody holds, whose mask
+        """The holder words of the leading keys somebody holds (deferred inserts
+        included), for ``depths``: it stops at the first key nobody holds, whose word
         (0) it leaves out, as it does every later key's.
 
         No match can reach past that key, and each key looked up in the million-entry
@@ -272,16 +260,16 @@ class PrefixIndex:
         return self.depths(self.lookup(keys))
 
     def depths(self, masks: Sequence[int]) -> dict[str, int]:
-        """``match`` from the masks ``lookup`` returned (or any key's masks: it reads
-        up to the first 0)."""
+        """``match`` from the holder words ``lookup`` returned (or any key's words: it
+        reads up to the first 0)."""
         if not masks or not masks[0]:
             return {}
-        # A chain's masks come in runs of one interned int (the same holders block after
-        # block), so walk the runs, not the blocks: ``groupby`` finds and ``list`` counts
-        # them at C speed. ``held`` = replicas holding every key so far; a run that lacks
-        # some of them ends their match at its start.
+        # A chain's words come in runs of one interned int (the same holders and
+        # generations block after block), so walk the runs, not the blocks: ``groupby``
+        # finds and ``list`` counts them at C speed. ``held`` = replicas holding every
+        # key so far; a run that lacks some of them ends their match at its start.
         depth_by_slot: dict[int, int] = {}
-        held = masks[0]
+        held = masks[0] & self._held_bits  # held bits only: labels differ run to run
         depth = 0
         for mask, run in groupby(masks):
             dropped = held & ~mask
@@ -331,22 +319,21 @@ class PrefixIndex:
         for replica_id, blocks in self._replicas.items():
             assert self._slot_owner[blocks.slot] == replica_id
             assert len(blocks.lru) <= self.max_blocks_per_replica
-            bit = 1 << blocks.slot
-            blocks.lru.check_invariants()
-            for key in blocks.lru:
-                assert self._nodes[key] & bit, "LRU entry without its node bit"
+            blocks.lru.check_invariants()  # its fields of the node words included
             for key in blocks.tentative:
                 assert key in blocks.lru, "tentative block not held"
             for key in blocks.host:
                 assert key in blocks.lru, "host-tier block not held"
             holdings += len(blocks.lru)
-        live = sum(1 << b.slot for b in self._replicas.values())
-        assert sum(m.bit_count() for m in self._nodes.values()) == holdings
-        assert all(m and not m & ~live for m in self._nodes.values())
+        live = sum(1 << b.slot * FIELD_BITS for b in self._replicas.values())
+        assert not live & ~self._held_bits
+        held = [word & self._held_bits for word in self._nodes.values()]
+        assert sum(h.bit_count() for h in held) == holdings
+        assert all(h and not h & ~live for h in held), "a node nobody holds, or a free slot's"
 
 
 def _record(depth_by_slot: dict[int, int], mask: int, depth: int) -> None:
     while mask:
         low = mask & -mask
-        depth_by_slot[low.bit_length() - 1] = depth
+        depth_by_slot[(low.bit_length() - 1) // FIELD_BITS] = depth
         mask ^= low

@@ -1,42 +1,63 @@
-"""Which blocks one replica holds, in approximate least-recently-used order, built only
-from containers the garbage collector does not track.
+"""Which blocks one replica holds, in approximate least-recently-used order, stored in
+the index's node words and in logs the garbage collector does not track.
 
 The index holds up to 10⁶ blocks per replica. An ``OrderedDict`` (or any container of
 objects the GC tracks) of that size makes every full collection walk it: 60–100 ms
-pauses of the gateway's event loop. Here every large container is untracked: dicts of
-``bytes -> None`` (CPython never tracks a dict whose keys and values are all atomic)
-and ``bytearray`` logs of raw 16-byte keys.
+pauses of the gateway's event loop. A dict per replica of ``key -> None`` is untracked
+but costs ~40 bytes per holding. Here a holding costs its 16-byte log entry and a few
+bits of the block's node word, which the index keeps anyway (``key -> word``, one int
+per block, interned so that equal words are one object):
+
+    word = Σ over the replica slots holding the block of
+           (held bit | generation label << 1) << (slot · FIELD_BITS)
 
 Order is kept in generations, oldest first, each ``gen_size`` additions long:
 
-    generation = keys: dict[key, None]   held keys last used in this generation
-                 order: bytearray        keys as added, 16 bytes each (may be stale)
+    generation = labels: int          the labels whose holdings belong to it (a bitmask)
+                 order: bytearray     keys as added, 16 bytes each (may be stale)
+
+A holding belongs to the generation owning its label; a log entry is *live* when its
+key is held with a label of the log's generation, otherwise it is skipped.
 
 * add a block: into the newest generation (a new one starts when it is full);
 * use a held block again: it moves from its generation to the newest (a block
   already in the newest stays where it is: it is recent at this granularity);
-* evict: read the oldest generation's ``order`` from its start, skipping keys no
-  longer in its ``keys`` (used again since, or removed): FIFO within the oldest
-  generation, so a chain added deepest block first loses its leaves before its head.
+* evict: read the oldest generation's ``order`` from its start, skipping entries that
+  are not live (used again since, or removed): FIFO within the oldest generation, so a
+  chain added deepest block first loses its leaves before its head.
 
-Eviction and use are O(1) amortized; at most ``MAX_GENERATIONS`` generations live (the
-two smallest neighbours merge when one more would start), so finding a block's
-generation costs a few dict probes. With ``gen_size`` 1 (a cap of 8 blocks or fewer)
-the order is exact LRU.
+At most ``MAX_GENERATIONS`` generations live: when one more would start, the adjacent
+pair holding the fewest blocks merges (labels united, logs concatenated). Eviction and
+use are O(1) amortized; with ``gen_size`` 1 (a cap of 8 blocks or fewer) the order is
+exact LRU.
+
+Labels: each generation starts with one free label; a label returns to the free set
+when no block holds it any more (and its generation is not the newest). Merges can
+leave a generation with several labels; when a new generation finds none free, the
+generation with the most labels is relabelled to one of them (one walk over its log,
+the only step that is not O(1); with 128 labels and at most 16 generations it frees at
+least 7, so it happens at most once per 7 new generations, and in practice far less).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 KEY_BYTES = 16
 MAX_GENERATIONS = 16
+FIELD_BITS = 8  # per replica slot in a node word: held bit + 7-bit generation label
+LABELS = 1 << (FIELD_BITS - 1)
+FIELD = (1 << FIELD_BITS) - 1
+MAX_WORDS = 4096  # interned words kept; past it the table starts over (module doc)
 
 
 @dataclass(slots=True)
 class _Generation:
-    keys: dict[bytes, None] = field(default_factory=dict)
+    label: int  # the label its additions get while it is the newest
+    labels: int  # bitmask of the labels whose holdings belong here
+    held: int = 0
     order: bytearray = field(default_factory=bytearray)
     start: int = 0  # read position in ``order`` (bytes)
 
@@ -47,57 +68,92 @@ class _Generation:
 
 @dataclass(slots=True)
 class BlockLRU:
+    """One replica's holdings. ``nodes`` and ``words`` are the index's node map and its
+    interned words, shared by every replica's LRU (standalone: private ones)."""
+
     gen_size: int
-    gens: list[_Generation] = field(default_factory=lambda: [_Generation()])
+    slot: int = 0
+    nodes: dict[bytes, int] = field(default_factory=dict)
+    words: dict[int, int] = field(default_factory=dict)
+    labels: int = LABELS  # labels it may use (fewer in tests, to force relabelling)
+    gens: list[_Generation] = field(init=False)
     held: int = 0
+    relabels: int = 0  # how many times ``_relabel`` ran (a statistic)
+    shift: int = field(init=False)
+    _free: int = field(init=False)  # bitmask of free labels
+    _label_held: array[int] = field(init=False)  # label -> holdings with it
+    _label_gen: list[_Generation | None] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not MAX_GENERATIONS <= self.labels <= LABELS:
+            raise ValueError(f"labels must be in [{MAX_GENERATIONS}, {LABELS}]")
+        self.shift = self.slot * FIELD_BITS
+        self._label_held = array("q", bytes(8 * self.labels))
+        self._label_gen = [None] * self.labels
+        self._reset()
+
+    def _reset(self) -> None:
+        first = _Generation(0, 1)
+        self.gens = [first]
+        self.held = 0
+        self._free = (1 << self.labels) - 2
+        self._label_held[:] = array("q", bytes(8 * self.labels))
+        self._label_gen[:] = [first] + [None] * (self.labels - 1)
 
     def __contains__(self, key: bytes) -> bool:
-        return self._find(key) is not None
+        return bool(self.nodes.get(key, 0) >> self.shift & 1)
 
     def __len__(self) -> int:
         return self.held
 
     def __iter__(self) -> Iterator[bytes]:
+        """Held keys, oldest generation first."""
+        seen: set[bytes] = set()
         for gen in self.gens:
-            yield from gen.keys
+            for key in self._live(gen):
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    def hold(self, key: bytes) -> bool:
+        """The replica holds ``key`` now: a new block is added, a held one touched.
+        Whether it was new."""
+        word = self.nodes.get(key, 0)
+        field_ = word >> self.shift & FIELD
+        if not field_:
+            self._add(key, word)
+            return True
+        if self._label_gen[field_ >> 1] is not self.gens[-1]:
+            self._add(key, self._unhold(key, word, field_))
+        return False
 
     def add(self, key: bytes) -> None:
         """A block the replica did not hold (the caller checks)."""
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"index keys are {KEY_BYTES}-byte short keys, got {len(key)} bytes")
-        newest = self.gens[-1]
-        if newest.added >= self.gen_size:
-            newest = self._new_generation()
-        newest.keys[key] = None
-        newest.order += key
-        self.held += 1
+        self._add(key, self.nodes.get(key, 0))
 
     def touch(self, key: bytes) -> None:
         """A held block used again: it becomes one of the newest."""
-        gen = self._find(key)
-        if gen is None or gen is self.gens[-1]:
-            return
-        del gen.keys[key]
-        self.held -= 1
-        self.add(key)
+        if key in self:
+            self.hold(key)
 
     def discard(self, key: bytes) -> bool:
         """Forget the block; whether it was held."""
-        gen = self._find(key)
-        if gen is None:
+        word = self.nodes.get(key, 0)
+        field_ = word >> self.shift & FIELD
+        if not field_:
             return False
-        del gen.keys[key]
-        self.held -= 1
+        self._unhold(key, word, field_)
         return True
 
     def evict(self) -> bytes:
         """Forget and return the least recently used block (the LRU must not be empty)."""
+        nodes, shift = self.nodes, self.shift
         while True:
             gen = self.gens[0]
-            if not gen.keys:
+            if not gen.held:
                 if len(self.gens) == 1:
                     raise KeyError("evict from an empty BlockLRU")
-                del self.gens[0]
+                del self.gens[0]  # its labels were freed with its last holding
                 continue
             start = gen.start
             key = bytes(gen.order[start : start + KEY_BYTES])
@@ -105,43 +161,150 @@ class BlockLRU:
             if gen.start >= 4096 and 2 * gen.start >= len(gen.order):
                 del gen.order[: gen.start]  # a bytearray drops its head in O(1)
                 gen.start = 0
-            if key in gen.keys:
-                del gen.keys[key]
-                self.held -= 1
+            word = nodes.get(key, 0)
+            field_ = word >> shift & FIELD
+            if field_ and gen.labels >> (field_ >> 1) & 1:
+                self._unhold(key, word, field_)
                 return key
 
     def clear(self) -> None:
-        self.gens = [_Generation()]
-        self.held = 0
+        """Forget every block (their node words lose this replica's field)."""
+        for gen in self.gens:
+            for key in self._live(gen):
+                self.discard(key)
+        self._reset()
 
-    def _find(self, key: bytes) -> _Generation | None:
-        for gen in reversed(self.gens):
-            if key in gen.keys:
-                return gen
-        return None
+    # ----------------------------------------------------------------------- internals
+
+    def _add(self, key: bytes, word: int) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"index keys are {KEY_BYTES}-byte short keys, got {len(key)} bytes")
+        newest = self.gens[-1]
+        if newest.added >= self.gen_size:
+            newest = self._new_generation()
+        label = newest.label
+        self._write(key, word | (label << 1 | 1) << self.shift)
+        newest.order += key
+        newest.held += 1
+        self._label_held[label] += 1
+        self.held += 1
+
+    def _unhold(self, key: bytes, word: int, field_: int) -> int:
+        """Drop the holding from its generation and the node word; the new word."""
+        label = field_ >> 1
+        gen = self._label_gen[label]
+        assert gen is not None
+        gen.held -= 1
+        self.held -= 1
+        self._label_held[label] -= 1
+        if not self._label_held[label] and gen is not self.gens[-1]:
+            self._free_label(label)
+        word ^= field_ << self.shift
+        self._write(key, word)
+        return word
+
+    def _write(self, key: bytes, word: int) -> None:
+        if not word:
+            del self.nodes[key]
+            return
+        # Interned: a million nodes share the few words that chains have in common.
+        # The table is bounded; starting it over only costs duplicates of the words
+        # still in use (each re-interned once on its next write).
+        words = self.words
+        interned = words.get(word)
+        if interned is None:
+            if len(words) >= MAX_WORDS:
+                words.clear()
+            words[word] = interned = word
+        self.nodes[key] = interned
+
+    def _free_label(self, label: int) -> None:
+        gen = self._label_gen[label]
+        assert gen is not None and not self._label_held[label]
+        gen.labels &= ~(1 << label)
+        self._label_gen[label] = None
+        self._free |= 1 << label
+
+    def _live(self, gen: _Generation) -> Iterator[bytes]:
+        """The keys of the generation's live log entries, in log order (a key may
+        repeat: discarded and added again in the same generation)."""
+        nodes, shift, order = self.nodes, self.shift, gen.order
+        for i in range(gen.start, len(order), KEY_BYTES):
+            key = bytes(order[i : i + KEY_BYTES])
+            field_ = nodes.get(key, 0) >> shift & FIELD
+            if field_ and gen.labels >> (field_ >> 1) & 1:
+                yield key
 
     def _new_generation(self) -> _Generation:
         gens = self.gens
+        newest = gens[-1]
+        if not self._label_held[newest.label]:  # it stops being the newest
+            self._free_label(newest.label)
         if len(gens) >= MAX_GENERATIONS:
             # Merge the adjacent pair with the fewest blocks (the older one's log first).
-            i = min(range(len(gens) - 1), key=lambda j: len(gens[j].keys) + len(gens[j + 1].keys))
+            i = min(range(len(gens) - 1), key=lambda j: gens[j].held + gens[j + 1].held)
             older, newer = gens[i], gens[i + 1]
-            small, large = sorted((older.keys, newer.keys), key=len)
-            large.update(small)
-            order = older.order[older.start :] + newer.order[newer.start :]
-            gens[i : i + 2] = [_Generation(large, order)]
-        gen = _Generation()
+            merged = _Generation(
+                newer.label,
+                older.labels | newer.labels,
+                older.held + newer.held,
+                older.order[older.start :] + newer.order[newer.start :],
+            )
+            gens[i : i + 2] = [merged]
+            for label in _bits(merged.labels):
+                self._label_gen[label] = merged
+        if not self._free:
+            self._relabel(max(gens, key=lambda g: g.labels.bit_count()))
+        low = self._free & -self._free
+        self._free ^= low
+        label = low.bit_length() - 1
+        gen = _Generation(label, low)
+        self._label_gen[label] = gen
         gens.append(gen)
         return gen
 
+    def _relabel(self, gen: _Generation) -> None:
+        """Give every holding of ``gen`` one of its labels and free the others. Stale
+        entries keep theirs: liveness, hence the order, is unchanged."""
+        self.relabels += 1
+        keep = gen.labels & -gen.labels
+        label = keep.bit_length() - 1
+        shift = self.shift
+        for key in list(self._live(gen)):
+            word = self.nodes[key]
+            field_ = word >> shift & FIELD
+            if field_ >> 1 != label:
+                self._write(key, word ^ (field_ ^ (label << 1 | 1)) << shift)
+        for other in _bits(gen.labels & ~keep):
+            self._label_held[other] = 0
+            self._free_label(other)
+        self._label_held[label] = gen.held
+
     def check_invariants(self) -> None:
-        assert self.gens and self.held == sum(len(g.keys) for g in self.gens)
-        seen: set[bytes] = set()
-        for gen in self.gens:
-            assert not seen & gen.keys.keys(), "a block in two generations"
-            seen.update(gen.keys)
-            logged = {
-                bytes(gen.order[i : i + KEY_BYTES])
-                for i in range(gen.start, len(gen.order), KEY_BYTES)
-            }
-            assert gen.keys.keys() <= logged, "a held block missing from its generation's log"
+        gens = self.gens
+        assert gens and self.held == sum(g.held for g in gens)
+        owned = 0
+        for gen in gens:
+            assert not owned & gen.labels, "a label in two generations"
+            owned |= gen.labels
+            assert gen.held == sum(self._label_held[label] for label in _bits(gen.labels))
+            assert all(self._label_gen[label] is gen for label in _bits(gen.labels))
+            assert gen.held == len(set(self._live(gen))), "a holding missing from its log"
+        newest = gens[-1]
+        assert newest.labels == 1 << newest.label, "the newest generation has one label"
+        assert owned | self._free == (1 << self.labels) - 1 and not owned & self._free
+        assert all(self._label_gen[label] is None for label in _bits(self._free))
+        per_label = [0] * self.labels
+        for word in self.nodes.values():
+            field_ = word >> self.shift & FIELD
+            if field_:
+                assert field_ & 1, "a field with a label but no held bit"
+                per_label[field_ >> 1] += 1
+        assert per_label == list(self._label_held), "label counts disagree with the words"
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
