@@ -18,6 +18,10 @@ Per cell: the client's hit rate (cached / prompt tokens from ``usage``), split i
 device and host by the replicas' own counters (``hit_tokens``, ``host_hit_tokens``), TTFT
 p50/p99, total time, blocks moved each way, and the replicas' CPU seconds.
 
+The cluster simulator (``loadtest.simulate``, same prompts, pools, slowed profile and
+closed loop) runs every cell first: ``simulated`` in the results, what the live figures
+should come near; ``--simulated-only`` stops there.
+
 Workloads: ``agents`` (the live comparison's agent sessions, conversation keys sent) and
 ``docs`` (``loadtest.skewed_docs``: single-turn document questions, Zipf popularity, no
 conversation key: the router sees only the prompt).
@@ -156,35 +160,58 @@ def pooled(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="agents", choices=["agents", "docs"])
-    p.add_argument("--replicas", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--policies", default="cache_aware,round_robin")
-    p.add_argument("--fraction", type=float, default=0.25, help="device pool / working set")
-    p.add_argument("--host-ratio", type=float, default=2.0, help="host tier / device pool")
-    p.add_argument("--profile", default="llama3.1-8b-a100")
-    p.add_argument("--slowdown", type=float, default=10.0)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=Path("docs/bench/sim-host-tier"))
-    p.add_argument("--run-root", type=Path, default=Path("runs/sim-host-tier"))
-    args = p.parse_args()
+Cell = tuple[str, int]  # (policy, host tier MiB)
 
+
+def simulated(
+    args: argparse.Namespace,
+    sessions: list[Session],
+    prompts: list[list[list[int]]],
+    keys: bool,
+    blocks: int,
+    cells: list[Cell],
+    host_blocks: int,
+) -> dict[str, dict[str, Any]]:
+    """The cluster simulator (``loadtest.simulate``) on the same prompts, pools, profile
+    and closed loop: what the live cells should come near (issue 18's validation)."""
+    from loadtest.sim_validate import ProfileCost
+    from loadtest.simulate import simulate
+
+    profile = load_profile(args.profile)
+    slowed = profile.with_overrides(**{f: getattr(profile, f) * args.slowdown for f in COST_FIELDS})
+    mean = int(statistics.fmean(len(x) for session in prompts for x in session))
+    cost = ProfileCost(profile=slowed, mean_context=mean)
+    out = {}
+    for policy, mb in cells:
+        r = simulate(
+            sessions,
+            policy,
+            args.replicas,
+            blocks,
+            cost,
+            think_s=0.0,
+            seed=args.seed,
+            concurrency=args.concurrency,
+            prompts=prompts,
+            conversation_keys=keys,
+            host_blocks_per_replica=host_blocks if mb else 0,
+        )
+        out[f"{policy}-host{mb}"] = {
+            "hit_rate": r.hit_rate,
+            "host_hit_rate": r.host_hit_rate,
+            "ttft_p50_ms": 1e3 * r.ttft_p50_s,
+            "total_time_s": r.total_time_s,
+        }
+    return out
+
+
+def run_live(
+    args: argparse.Namespace, sessions: list[Session], keys: bool, blocks: int, cells: list[Cell]
+) -> dict[Cell, list[dict[str, Any]]]:
+    """Every cell's repeats, on one cluster per cell, all started at once."""
+    clusters: dict[Cell, Cluster] = {}
+    results: dict[Cell, list[dict[str, Any]]] = {cell: [] for cell in cells}
     started = time.monotonic()
-    started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    load_start = os.getloadavg()
-    sessions, keys = workload(args.workload, args.seed)
-    sizing = size_cache(sessions, live_prompts(sessions, "sim"), "sim", args.fraction)
-    blocks = sizing.num_blocks
-    block_bytes = load_profile(args.profile).block_bytes(16)
-    host_blocks = round(blocks * args.host_ratio)
-    host_mb = -(-host_blocks * block_bytes // MIB)
-    print(f"[tier] {args.workload}: {len(sessions)} sessions; {sizing}; host {host_mb} MiB")
-    cells = [(pol, mb) for pol in args.policies.split(",") for mb in (0, host_mb)]
-    clusters: dict[tuple[str, int], Cluster] = {}
-    results: dict[tuple[str, int], list[dict[str, Any]]] = {cell: [] for cell in cells}
     try:
         for policy, mb in cells:
             run_dir = args.run_root / args.workload / f"{policy}-host{mb}"
@@ -209,30 +236,67 @@ def main() -> int:
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    data = {
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="agents", choices=["agents", "docs"])
+    p.add_argument("--replicas", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--policies", default="cache_aware,round_robin")
+    p.add_argument("--fraction", type=float, default=0.25, help="device pool / working set")
+    p.add_argument("--host-ratio", type=float, default=2.0, help="host tier / device pool")
+    p.add_argument("--profile", default="llama3.1-8b-a100")
+    p.add_argument("--slowdown", type=float, default=10.0)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--simulated-only", action="store_true", help="no clusters: the simulator")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/bench/sim-host-tier"))
+    p.add_argument("--run-root", type=Path, default=Path("runs/sim-host-tier"))
+    args = p.parse_args()
+
+    started = time.monotonic()
+    started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load_start = os.getloadavg()
+    sessions, keys = workload(args.workload, args.seed)
+    prompts = live_prompts(sessions, "sim")
+    sizing = size_cache(sessions, prompts, "sim", args.fraction)
+    blocks = sizing.num_blocks
+    block_bytes = load_profile(args.profile).block_bytes(16)
+    host_mb = -(-round(blocks * args.host_ratio) * block_bytes // MIB)
+    host_blocks = host_mb * MIB // block_bytes
+    print(f"[tier] {args.workload}: {len(sessions)} sessions; {sizing}; host {host_mb} MiB")
+    cells = [(pol, mb) for pol in args.policies.split(",") for mb in (0, host_mb)]
+    sim = simulated(args, sessions, prompts, keys, blocks, cells, host_blocks)
+    for name, row in sim.items():
+        print(f"[tier] simulated {name}: {row}")
+    data: dict[str, Any] = {
         "workload": args.workload,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "sizing": {
             "distinct_blocks": sizing.distinct_blocks,
             "device_blocks": blocks,
-            "host_blocks": host_mb * MIB // block_bytes,
+            "host_blocks": host_blocks,
             "host_mb": host_mb,
         },
         "started_at": started_at,
         "load_average_start": load_start,
-        "load_average_end": os.getloadavg(),
-        "elapsed_s": time.monotonic() - started,
-        "cells": [
-            {
-                "policy": pol,
-                "host_mb": mb,
-                **pooled(results[(pol, mb)]),
-                "repeats": results[(pol, mb)],
-            }
-            for pol, mb in cells
-        ],
+        "simulated": sim,
     }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.simulated_only:
+        path = args.out_dir / f"{args.workload}-simulated.json"
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"[tier] {path}")
+        return 0
+    results = run_live(args, sessions, keys, blocks, cells)
+    data["load_average_end"] = os.getloadavg()
+    data["elapsed_s"] = time.monotonic() - started
+    data["cells"] = [
+        {"policy": pol, "host_mb": mb, **pooled(results[(pol, mb)]), "repeats": results[(pol, mb)]}
+        for pol, mb in cells
+    ]
     path = args.out_dir / f"{args.workload}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"[tier] done in {data['elapsed_s']:.0f} s: {path}")
