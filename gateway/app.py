@@ -1,7 +1,8 @@
 """The gateway's ASGI app: OpenAI endpoints, health, readiness and metrics.
 
 ``GatewayApp`` sends the two hot paths (chat and text completions) to the raw ASGI
-handler in gateway/handler.py and everything else, lifespan included, to a FastAPI app.
+handler in gateway/handler.py, the Responses API to gateway/responses.py (raw ASGI too:
+the same proxy), and everything else, lifespan included, to a FastAPI app.
 Everything the handlers need (router, upstream client, tokenizers, tenants, metrics) lives
 in one ``GatewayState`` (gateway/state.py), built by ``create_app`` and started and stopped
 by the lifespan. This module is the composition root: it imports the handlers, and
@@ -29,7 +30,8 @@ from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.metrics import GatewayMetrics
 from gateway.probes import add_static_replicas, learn_static_models, probe_all, probe_loop
-from gateway.responses import add_response_routes
+from gateway.response_affinity import ResponseAffinity
+from gateway.responses import is_responses_path, serve_responses
 from gateway.routing import KeyBuilder
 from gateway.state import GatewayState
 from gateway.upstream import Upstream
@@ -57,6 +59,8 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in HOT_PATHS:
             await serve_completion(self.state, scope, receive, send, scope["path"])
+        elif scope["type"] == "http" and is_responses_path(scope["path"]):
+            await serve_responses(self.state, scope, receive, send)
         else:
             await self.fallback(scope, receive, send)
 
@@ -83,11 +87,11 @@ def create_app(
         keys=keys or _key_builder(config),
         auth=auth,
         metrics=GatewayMetrics(lambda: router.replicas),
+        affinity=ResponseAffinity(config.redis_url),
     )
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
     _add_routes(app)
-    add_response_routes(app)
     return GatewayApp(state, app)
 
 
@@ -143,7 +147,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.gather(*state.tasks, return_exceptions=True)
         if state.sync is not None:
             await state.sync.aclose()
-        await app.state.response_affinity.aclose()
+        await state.affinity.aclose()
         await state.client.aclose()
         await state.upstream.aclose()
 

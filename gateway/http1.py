@@ -3,8 +3,9 @@
 Why its own client: on this hot path a general-purpose client's request and response
 objects, header multidicts and URL handling cost more CPU than everything else the
 gateway does per request (docs/BENCHMARKS.md, "Gateway"). This one does only what the
-gateway needs: POST a body it already has and hand back the final status, the raw
-headers and the body, whole or chunk by chunk.
+gateway needs: send a request whose body it already has (POST, or a GET / DELETE of the
+Responses API) and hand back the final status, the raw headers and the body, whole or
+chunk by chunk.
 
 What the wire may bring and how each is handled:
 
@@ -59,6 +60,8 @@ class Target:
         self.port = parts.port or (443 if self.tls else 80)
         self.netloc = parts.netloc
         self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in self.path):
+            raise ValueError(f"the path of {url!r} cannot go on a request line unescaped")
         self.key = (self.host, self.port, self.tls)
 
 

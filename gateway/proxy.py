@@ -1,8 +1,10 @@
 """Forwarding: pick a replica, send the original body, pass the answer back (raw ASGI).
 
 One attempt, and one retry on the next-best replica when the first fails before its first
-byte (connection refused, timeout, 5xx). After the first byte the answer is committed: a
-stream that breaks ends with an SSE error event, never a silent truncation. Closing an
+byte (connection refused, timeout, 5xx). A request pinned to one replica (the Responses
+API's stateful turns: only that replica holds what they refer to) gets one attempt there.
+After the first byte the answer is committed: a stream that breaks ends with an SSE error
+event, never a silent truncation. Closing an
 unfinished upstream answer drops its connection, which is how the replica learns that the
 client left (gateway/handler.py cancels the forwarding when that happens).
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from starlette.types import Send
 
@@ -25,7 +27,10 @@ from gateway.reply import error_event, send_bytes, send_error_passthrough, send_
 from gateway.state import GatewayState
 from gateway.usage import SSEScanner, cached_tokens_in
 from prefixgate.wire import OpenAIError, error_body
-from router.router import NoHealthyReplica
+from router.router import Decision, NoHealthyReplica
+
+if TYPE_CHECKING:
+    from gateway.answer_hooks import AnswerHooks, StreamScanner
 
 # Upstream response headers we never pass on: hop-by-hop, or ones we set ourselves.
 DROPPED_HEADERS = frozenset(
@@ -57,6 +62,9 @@ class Forward(NamedTuple):
     body: bytes
     headers: dict[str, str]
     stream: bool
+    method: str = "POST"
+    pinned: Decision | None = None  # this replica only, once: route() is not asked
+    hooks: AnswerHooks | None = None  # None: chat or completions (gateway/answer_hooks.py)
 
 
 class UpstreamFailure(NamedTuple):
@@ -85,14 +93,18 @@ async def _forward(
     router = state.router
     tried: list[str] = []
     failure = UpstreamFailure(None, b"", "no replica answered")
-    for _ in range(ATTEMPTS):
+    for _ in range(1 if request.pinned is not None else ATTEMPTS):
         try:
-            decision = router.route(
-                request.keys,
-                request.conversation,
-                model=request.model,
-                exclude=tuple(tried),
-                prompt_tokens=request.prompt_tokens,
+            decision = (
+                router.route(
+                    request.keys,
+                    request.conversation,
+                    model=request.model,
+                    exclude=tuple(tried),
+                    prompt_tokens=request.prompt_tokens,
+                )
+                if request.pinned is None
+                else request.pinned
             )
         except NoHealthyReplica:
             if tried:
@@ -130,7 +142,9 @@ async def _attempt(
     stream as the replica sent); the failure when there is nothing to send yet."""
     rid = attempt.replica_id
     try:
-        response = await state.upstream.post(url + request.path, request.body, request.headers)
+        response = await state.upstream.request(
+            request.method, url + request.path, request.body, request.headers
+        )
     except UpstreamError as exc:
         if exc.kind == POOL_TIMEOUT:
             attempt.not_sent()
@@ -149,9 +163,9 @@ async def _attempt(
             state.metrics.upstream_failure(rid, f"http_{response.status}")
             return UpstreamFailure(response.status, error, f"replica {rid} failed")
         if request.stream and response.status < 400:
-            await _send_stream(state, attempt, response, ex, send)
+            await _send_stream(state, attempt, response, ex, send, request.hooks)
         else:
-            await _send_whole(state, attempt, response, ex, send)
+            await _send_whole(state, attempt, response, ex, send, request.hooks)
         return None
     finally:
         await response.close()
@@ -185,7 +199,12 @@ def passed_headers(upstream: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes,
 
 
 async def _send_whole(
-    state: GatewayState, attempt: Attempt, upstream: Response, ex: Exchange, send: Send
+    state: GatewayState,
+    attempt: Attempt,
+    upstream: Response,
+    ex: Exchange,
+    send: Send,
+    hooks: AnswerHooks | None,
 ) -> None:
     """A non-streaming answer (or a 4xx): read it whole, then send it with a
     Content-Length."""
@@ -206,20 +225,30 @@ async def _send_whole(
         ex.ttfb = ex.ttfb or time.perf_counter()
         await upstream.close()
         attempt.finish()
+    if hooks is not None:
+        await hooks.answered(attempt.replica_id, upstream.status, raw)
     if upstream.status >= 400:
         await send_error_passthrough(send, upstream.status, raw, ex)
         return
-    ex.cached_tokens = cached_tokens_in(raw)
+    ex.cached_tokens = cached_tokens_in(raw) if hooks is None else hooks.cached_tokens(raw)
     await send_bytes(send, upstream.status, raw, passed_headers(upstream.raw_headers), ex)
 
 
 async def _send_stream(
-    state: GatewayState, attempt: Attempt, upstream: Response, ex: Exchange, send: Send
+    state: GatewayState,
+    attempt: Attempt,
+    upstream: Response,
+    ex: Exchange,
+    send: Send,
+    hooks: AnswerHooks | None,
 ) -> None:
     """Pump upstream bytes to the client as they come. Cancelling this (the client left)
     closes the upstream connection mid-answer."""
     rid = attempt.replica_id
-    scanner = SSEScanner() if upstream.content_type().startswith("text/event-stream") else None
+    scanner: StreamScanner | None = None
+    if upstream.content_type().startswith("text/event-stream"):
+        scanner = SSEScanner() if hooks is None else hooks.scanner()
+    broken = error_event if hooks is None else hooks.error_event
     ex.status = upstream.status
     ex.responded = True
     headers = passed_headers(upstream.raw_headers)
@@ -233,6 +262,8 @@ async def _send_stream(
                 ex.ttfb = time.perf_counter()
             if scanner is not None:
                 scanner.feed(chunk)
+                if hooks is not None:
+                    await hooks.streamed(rid, scanner)
                 chunk, partial = split_complete_events(partial + chunk)
             if not prefilled and (scanner is None or scanner.output):
                 prefilled = True
@@ -244,11 +275,11 @@ async def _send_stream(
             partial = b""
         if scanner is not None and not scanner.done:
             attempt.fail()
-            await send(error_event(f"replica {rid} ended the stream early"))
+            await send(broken(f"replica {rid} ended the stream early"))
     except UpstreamError as exc:
         attempt.fail()
         state.metrics.upstream_failure(rid, f"mid_stream_{exc.kind}")
-        await send(error_event(f"replica {rid} failed mid-stream ({exc.kind})"))
+        await send(broken(f"replica {rid} failed mid-stream ({exc.kind})"))
     finally:
         await upstream.close()
         attempt.finish()

@@ -3,10 +3,17 @@
 Shared through Redis (a key per id with a TTL, so every gateway agrees) and kept in a
 bounded local table (the only record when there is no Redis, and the first place looked).
 Redis failures degrade to the local table with a warning; they never fail a request.
+
+Each record also carries the conversation key of the chain the response belongs to
+(gateway/responses.py, ``conversation``), so a follow-up through any gateway continues
+the same conversation. In Redis a record is one JSON object
+(``{"replica_id", "conversation", "tenant"}``): a conversation key is the client's own string
+and may hold any character.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -21,7 +28,7 @@ REDIS_PREFIX = "prefixgate:response:"
 
 class Owner(NamedTuple):
     replica_id: str
-    conversation: str  # the id of the chain's first response
+    conversation: str  # the chain's conversation key, tenant-scoped (never empty)
     tenant: str  # who made it: another tenant's id is answered as unknown
 
 
@@ -51,8 +58,7 @@ class ResponseAffinity:
         if client is None:
             return
         try:
-            value = f"{owner.replica_id}\n{owner.conversation}\n{owner.tenant}"
-            await client.set(REDIS_PREFIX + response_id, value, ex=int(self.ttl_s))
+            await client.set(REDIS_PREFIX + response_id, encode(owner), ex=int(self.ttl_s))
         except Exception as exc:  # Redis down: this gateway still knows; others will 404
             log.warning("response affinity for %s not shared (Redis: %s)", response_id, exc)
 
@@ -70,8 +76,10 @@ class ResponseAffinity:
             return None
         if raw is None:
             return None
-        replica_id, conversation, tenant = [*raw.decode().split("\n"), "", ""][:3]
-        return Owner(replica_id, conversation or response_id, tenant)
+        owner = decode(raw)
+        if owner is None:
+            log.warning("response affinity for %s unreadable in Redis: %r", response_id, raw[:200])
+        return owner
 
     async def aclose(self) -> None:
         if self.client is not None:
@@ -86,3 +94,21 @@ class ResponseAffinity:
                 await client.delete(REDIS_PREFIX + response_id)
             except Exception as exc:
                 log.warning("response affinity for %s not removed (Redis: %s)", response_id, exc)
+
+
+def encode(owner: Owner) -> str:
+    return json.dumps(owner._asdict(), separators=(",", ":"))
+
+
+def decode(raw: bytes) -> Owner | None:
+    """A record as ``encode`` writes it; None for anything else (no field may be absent,
+    empty or not a string: an owner that cannot be checked is no owner)."""
+    try:
+        fields = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    values = [fields.get(name) for name in Owner._fields]
+    strings = [v for v in values if isinstance(v, str) and v]
+    return Owner(*strings) if len(strings) == len(values) else None

@@ -1,54 +1,225 @@
-"""The Responses API through the gateway, with affinity for stateful turns.
+"""The Responses API through the gateway (raw ASGI, like gateway/handler.py), with
+affinity for stateful turns.
 
 ``POST /v1/responses`` without ``previous_response_id`` is routed like a chat: keys from
 ``instructions`` + ``input`` rendered as the engine renders them (the same chat mapping
-as the replica, prefixgate/wire_responses.py). Every response id a replica answers with is
-recorded as id -> replica (with its tenant and its conversation's first response) in Redis with
-a TTL, so every gateway agrees, and in a bounded local table (the only record without
-Redis). A request naming ``previous_response_id``, and ``GET`` / ``DELETE`` /
-``POST .../cancel`` by id, go to that replica and nowhere else: engines keep responses in
-their own memory, so another replica's answer would be a wrong answer. An id no gateway
-recorded (unknown, expired or deleted) is a 404, and so is one whose replica is gone; a
-replica that is known but unhealthy right now is a 503 with Retry-After.
+as the replica, prefixgate/wire_responses.py), retried once elsewhere when the replica
+fails before answering. Every response id a replica answers with is recorded as id ->
+replica (with its tenant and its conversation key) in Redis with a TTL, so every gateway
+agrees, and in a bounded local table (gateway/response_affinity.py). A request naming
+``previous_response_id``, and ``GET`` / ``DELETE`` / ``POST .../cancel`` by id, go to
+that replica once and nowhere else: engines keep responses in their own memory, so
+another replica's answer would be a wrong answer. An id no gateway recorded (unknown,
+expired or deleted) is a 404, and so is one whose replica is gone; a replica that is
+known but unhealthy right now is a 503 with Retry-After.
+
+Every request goes through the proxy (gateway/proxy.py) on the pooled HTTP/1.1 client,
+so it gets chat's timeouts, connection limits, attempt accounting, breaker verdicts and
+metrics; the Responses-specific reading of answers is gateway/responses_hooks.py.
+
+**Conversation key.** A chain of responses is one conversation for routing: its key is
+the first turn's (``prompt_cache_key``, then the ``X-Conversation-Id`` / ``session_id``
+header, then ``user``, as for chats), or the first response's own id when that turn had
+none. Every response is recorded with its chain's key, and a follow-up inherits it from
+its ``previous_response_id``'s record. An explicit ``prompt_cache_key`` or conversation
+header on a follow-up still wins, as it does for chats (its response then carries that
+key on); a follow-up's ``user`` does not: the chain names the conversation more exactly
+than the user does. Affinity pins a follow-up whatever its key, so the key changes no
+follow-up's replica; what it gives is one conversation across the chain's turns, through
+every gateway, for what reads conversations (the router's ring for the chain's first
+turn, the records). A record whose replica is gone keeps its chain's key, but no other
+replica holds the stored conversation: the follow-up is a 404 that says to start a new
+conversation, never a turn routed by the key to a replica that would answer without the
+history (or, with an engine that ignores an unknown id, answer as if there were none).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from urllib.parse import quote
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from gateway.attempt import Attempt
+from gateway.auth import Tenant
 from gateway.exchange import Exchange
-from gateway.proxy import forward_headers
-from gateway.response_affinity import Owner, ResponseAffinity
+from gateway.handler import ClientGone, DisconnectWatch, read_body, unknown_model
+from gateway.proxy import Forward, forward, forward_headers
+from gateway.reply import send_json
+from gateway.response_affinity import Owner
+from gateway.responses_hooks import ResponsesHooks
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
-from prefixgate.wire import ChatCompletionRequest, OpenAIError, parse_request
+from prefixgate.wire import ChatCompletionRequest, OpenAIError, error_body, parse_request
 from prefixgate.wire_responses import ResponsesRequest, chat_body
 from router.conversation import conversation_key
-from router.router import Decision, NoHealthyReplica
+from router.router import Decision
+
+log = logging.getLogger("prefixgate.gateway")
+
+PREFIX = "/v1/responses"
 
 
-def _unknown(response_id: str, param: str | None) -> OpenAIError:
-    return OpenAIError(
-        f"Response with id '{response_id}' not found: no gateway recorded it (unknown, "
-        "expired or deleted). Start a new conversation without previous_response_id.",
-        status=404,
-        param=param,
-        code="response_not_found",
+def is_responses_path(path: str) -> bool:
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+async def serve_responses(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    path: str = scope["path"]
+    method: str = scope["method"]
+    endpoint = "responses" if path == PREFIX else "responses_by_id"
+    ex = Exchange(
+        headers.get("x-request-id") or os.urandom(16).hex(), endpoint, time.perf_counter()
+    )
+    try:
+        request = await _request(state, headers, receive, ex, path, method, scope)
+        watch = DisconnectWatch(receive)
+        try:
+            await forward(state, ex, request, send)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise  # not ours: the server is shutting down
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+            ex.status = 499
+        finally:
+            watch.stop()
+    except OpenAIError as err:
+        await send_json(send, err.status, err.body(), ex, err.headers)
+    except ClientGone:
+        ex.status = 499
+    except Exception:
+        log.exception("request %s failed inside the gateway", ex.request_id)
+        if ex.responded:
+            raise  # mid-answer: nothing left to do but drop the connection
+        body = error_body("The gateway failed on this request.", type="server_error")
+        await send_json(send, 500, body, ex)
+    finally:
+        ex.finish(state.metrics)
+
+
+async def _request(
+    state: GatewayState,
+    headers: dict[str, str],
+    receive: Receive,
+    ex: Exchange,
+    path: str,
+    method: str,
+    scope: Scope,
+) -> Forward:
+    """What to forward, after authentication; OpenAIError for what cannot go."""
+    parts = path[len(PREFIX) :].split("/")  # "" | "/{id}" | "/{id}/cancel"
+    if path == PREFIX:
+        allowed = "POST"
+    elif len(parts) == 2 and parts[1]:
+        allowed = "GET, DELETE"
+    elif len(parts) == 3 and parts[1] and parts[2] == "cancel":
+        allowed = "POST"
+    else:
+        raise OpenAIError(f"{method} {path}: Not Found", status=404, code="not_found")
+    if method not in allowed.split(", "):
+        raise OpenAIError(
+            f"{method} {path}: Method Not Allowed", status=405, headers={"Allow": allowed}
+        )
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    if path == PREFIX:
+        raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+        return await _create(state, headers, raw, ex, tenant)
+    response_id = parts[1]
+    owner = await _owner(state, response_id, tenant.name, None)
+    # The id goes on the request line as the client sent it, escaped again (the server
+    # decoded it): a decoded space or line break would break the line or add one.
+    upstream_path = f"{PREFIX}/{quote(response_id, safe='')}" + (
+        "/cancel" if len(parts) == 3 else ""
+    )
+    query = scope.get("query_string", b"").decode("latin-1")
+    hooks = ResponsesHooks(
+        state.affinity,
+        tenant.name,
+        str,
+        forget=response_id if method == "DELETE" else None,
+    )
+    return Forward(
+        keys=[],
+        prompt_tokens=0,
+        conversation=owner.conversation,
+        model=None,
+        path=upstream_path + (f"?{query}" if query else ""),
+        body=b"",
+        headers=forward_headers(headers, ex.request_id, state.auth.open),
+        stream=False,
+        method=method,
+        pinned=_pinned(state, owner),
+        hooks=hooks,
     )
 
 
-def _owner_url(state: GatewayState, response_id: str, owner: Owner, param: str | None) -> str:
+async def _create(
+    state: GatewayState, headers: dict[str, str], raw: bytes, ex: Exchange, tenant: Tenant
+) -> Forward:
+    body = load_json_object(raw)
+    req = parse_request(ResponsesRequest, body)
+    ex.model, ex.stream = req.model, req.stream
+    salt = state.auth.forwarded_salt(tenant, body.get("cache_salt"))
+    if salt != body.get("cache_salt"):
+        if salt is None:
+            body.pop("cache_salt", None)
+        else:
+            body["cache_salt"] = salt
+        raw = json.dumps(body, separators=(",", ":")).encode()
+    # prompt_cache_key, then X-Conversation-Id / session_id (``user`` left out: the chain
+    # outranks it), scoped by tenant as chats are
+    explicit = conversation_key({"prompt_cache_key": body.get("prompt_cache_key")}, headers)
+    scoped = state.auth.scoped_conversation
+    hooks = ResponsesHooks(
+        state.affinity,
+        tenant.name,
+        lambda key: scoped(tenant, key) or key,
+        record=True,
+        count_cached=req.previous_response_id is None,
+    )
+    sent = forward_headers(headers, ex.request_id, state.auth.open)
+    if req.previous_response_id is not None:
+        owner = await _owner(state, req.previous_response_id, tenant.name, "previous_response_id")
+        hooks.conversation = scoped(tenant, explicit) or owner.conversation
+        ex.block_size = state.served_block_size(req.model) or 0
+        return Forward(
+            [], 0, hooks.conversation, None, PREFIX, raw, sent, req.stream,
+            pinned=_pinned(state, owner), hooks=hooks,
+        )  # fmt: skip
+    block_size = state.served_block_size(req.model)
+    if block_size is None:
+        raise unknown_model(req.model)
+    ex.block_size = block_size
+    hooks.conversation = scoped(tenant, conversation_key(body, headers))
+    chat = parse_request(ChatCompletionRequest, chat_body(req, []))
+    prompt = await state.keys.keys(chat, req.model, block_size, salt or "")
+    return Forward(
+        prompt.keys, prompt.prompt_tokens, hooks.conversation, req.model, PREFIX, raw, sent,
+        req.stream, hooks=hooks,
+    )  # fmt: skip
+
+
+async def _owner(state: GatewayState, response_id: str, tenant: str, param: str | None) -> Owner:
+    """The replica that stored ``response_id`` for ``tenant``: 404 when no gateway
+    recorded it for this tenant or its replica is gone, 503 when it is unhealthy now."""
+    owner = await state.affinity.lookup(response_id)
+    if owner is None or owner.tenant != tenant:
+        raise OpenAIError(
+            f"Response with id '{response_id}' not found: no gateway recorded it (unknown, "
+            "expired or deleted). Start a new conversation without previous_response_id.",
+            status=404,
+            param=param,
+            code="response_not_found",
+        )
     view = state.router.replicas.get(owner.replica_id)
-    if view is None:
+    if view is None:  # its chain's key is known, but no other replica has the history
         raise OpenAIError(
             f"Response with id '{response_id}' was stored on replica {owner.replica_id}, "
             "which is gone; its conversation cannot continue. Start a new one without "
@@ -66,283 +237,12 @@ def _owner_url(state: GatewayState, response_id: str, owner: Owner, param: str |
             code="response_replica_unavailable",
             headers={"Retry-After": "1"},
         )
-    return str(view.url)
+    return owner
 
 
-def _timeout(state: GatewayState) -> httpx.Timeout:
-    return httpx.Timeout(state.config.upstream_timeout_s, connect=state.config.connect_timeout_s)
-
-
-class Target(NamedTuple):
-    decision: Decision
-    url: str
-    conversation: str | None  # the chain this request continues
-
-
-async def _target(
-    state: GatewayState,
-    req: ResponsesRequest,
-    affinity: ResponseAffinity,
-    salt: str,
-    tenant: str,
-    conversation: str | None,
-) -> Target:
-    previous = req.previous_response_id
-    if previous is not None:
-        owner = await affinity.lookup(previous)
-        if owner is None or owner.tenant != tenant:
-            raise _unknown(previous, "previous_response_id")
-        url = _owner_url(state, previous, owner, "previous_response_id")
-        return Target(
-            Decision(owner.replica_id, "response_affinity", 0, 0), url, owner.conversation
-        )
-    block_size = state.served_block_size(req.model)
-    if block_size is None:
-        raise OpenAIError(
-            f"The model `{req.model}` does not exist or no replica serves it.",
-            status=404,
-            param="model",
-            code="model_not_found",
-        )
-    chat = parse_request(ChatCompletionRequest, chat_body(req, []))
-    prompt = await state.keys.keys(chat, req.model, block_size, salt)
-    try:
-        decision = state.router.route(
-            prompt.keys, conversation, model=req.model, prompt_tokens=prompt.prompt_tokens
-        )
-    except NoHealthyReplica:
-        raise OpenAIError(
-            f"No healthy replica serves model {req.model!r} right now; retry shortly.",
-            status=503,
-            type="server_error",
-            code="no_healthy_replica",
-            headers={"Retry-After": "1"},
-        ) from None
-    view = state.router.replicas[decision.replica_id]
-    return Target(decision, str(view.url), None)
-
-
-def _request_id(headers: Any) -> str:
-    return str(headers.get("x-request-id") or os.urandom(16).hex())
-
-
-def _answer_headers(upstream: httpx.Response, ex: Exchange) -> dict[str, str]:
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in ex.raw_headers()}
-    if "retry-after" in upstream.headers:
-        headers["retry-after"] = upstream.headers["retry-after"]
-    return headers
-
-
-async def create(
-    state: GatewayState, affinity: ResponseAffinity, request: Request, ex: Exchange
-) -> Response:
-    headers = {k.lower(): v for k, v in request.headers.items()}
-    tenant = state.auth.authenticate(headers.get("authorization"))
-    ex.tenant = tenant.name
-    body = load_json_object(await request.body())
-    req = parse_request(ResponsesRequest, body)
-    ex.model, ex.stream = req.model, req.stream
-    salt = state.auth.forwarded_salt(tenant, body.get("cache_salt"))
-    if salt != body.get("cache_salt"):
-        if salt is None:
-            body.pop("cache_salt", None)
-        else:
-            body["cache_salt"] = salt
-    # prompt_cache_key, X-Conversation-Id / session_id or user, scoped by tenant, as chats
-    conversation = state.auth.scoped_conversation(tenant, conversation_key(body, headers))
-    target = await _target(state, req, affinity, salt or "", tenant.name, conversation)
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    sent = forward_headers(headers, ex.request_id, state.auth.open)
-    rid = target.decision.replica_id
-    ex.set_decision(rid, target.decision)
-    ex.block_size = state.served_block_size(req.model) or 0
-    attempt = Attempt(state.router, target.decision)
-    attempt.__enter__()
-    try:
-        upstream_request = state.client.build_request(
-            "POST", target.url + "/v1/responses", content=raw, headers=sent, timeout=_timeout(state)
-        )
-        upstream = await state.client.send(upstream_request, stream=True)
-    except httpx.HTTPError as exc:
-        attempt.fail()
-        attempt.finish()
-        raise OpenAIError(
-            f"Replica {rid} failed before answering ({type(exc).__name__}); retry the request.",
-            status=502,
-            type="server_error",
-            code="upstream_unavailable",
-        ) from exc
-    attempt.first_byte()
-    ex.status = upstream.status_code
-    ex.ttfb = time.perf_counter()
-
-    async def remember(response_id: object) -> None:
-        if isinstance(response_id, str) and response_id:
-            owner = Owner(rid, target.conversation or response_id, tenant.name)
-            await affinity.record(response_id, owner)
-
-    if not req.stream or upstream.status_code >= 400:
-        try:
-            data = await upstream.aread()
-        finally:
-            await upstream.aclose()
-            attempt.prefill_done()
-            attempt.finish()
-        if upstream.status_code < 300:
-            await remember(_json_field(data, "id"))
-            if req.previous_response_id is None:  # pinned: no prediction to compare with
-                ex.cached_tokens = _cached_tokens(_json_field(data, "usage"))
-        return Response(
-            data,
-            status_code=upstream.status_code,
-            media_type="application/json",
-            headers=_answer_headers(upstream, ex),
-        )
-
-    async def relay() -> AsyncIterator[bytes]:
-        seen = bytearray()
-        recorded = False
-        try:
-            async for chunk in upstream.aiter_raw():
-                attempt.prefill_done()
-                if not recorded:
-                    seen += chunk
-                    response_id = _created_id(bytes(seen))
-                    if response_id is not None:
-                        await remember(response_id)
-                        recorded = True
-                        seen.clear()
-                yield chunk
-        except httpx.HTTPError:
-            attempt.fail()
-            ex.status = 502
-            yield b'event: error\ndata: {"type":"error","message":"replica failed mid-stream"}\n\n'
-        finally:
-            await upstream.aclose()
-            attempt.finish()
-            ex.finish(state.metrics)
-
-    ex.responded = True  # the stream's end records the exchange
-    return StreamingResponse(
-        relay(),
-        status_code=upstream.status_code,
-        media_type="text/event-stream",
-        headers=_answer_headers(upstream, ex),
-    )
-
-
-def _cached_tokens(usage: object) -> int | None:
-    details = usage.get("input_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) else None
-
-
-def _json_field(data: bytes, name: str) -> object:
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        return None
-    return parsed.get(name) if isinstance(parsed, dict) else None
-
-
-def _created_id(stream: bytes) -> str | None:
-    """The response id in a stream's ``response.created`` event, once its line is whole."""
-    for line in stream.split(b"\n")[:-1]:  # the last piece may be a line still arriving
-        if line.startswith(b"data:") and b"response.created" in line:
-            try:
-                event = json.loads(line[5:])
-            except ValueError:
-                return None
-            response = event.get("response") if isinstance(event, dict) else None
-            if isinstance(response, dict) and isinstance(response.get("id"), str):
-                return str(response["id"])
-    return None
-
-
-async def by_id(
-    state: GatewayState,
-    affinity: ResponseAffinity,
-    request: Request,
-    ex: Exchange,
-    response_id: str,
-    suffix: str = "",
-) -> Response:
-    """GET / DELETE / cancel: on the replica that stored the response, or a 404."""
-    headers = {k.lower(): v for k, v in request.headers.items()}
-    tenant = state.auth.authenticate(headers.get("authorization"))
-    ex.tenant = tenant.name
-    owner = await affinity.lookup(response_id)
-    if owner is None or owner.tenant != tenant.name:
-        raise _unknown(response_id, None)
-    url = _owner_url(state, response_id, owner, None)
-    ex.replica = owner.replica_id
-    ex.reason = "response_affinity"
-    sent = forward_headers(headers, ex.request_id, state.auth.open)
-    try:
-        upstream = await state.client.request(
-            request.method,
-            f"{url}/v1/responses/{response_id}{suffix}",
-            headers=sent,
-            timeout=_timeout(state),
-        )
-    except httpx.HTTPError as exc:
-        raise OpenAIError(
-            f"Replica {owner.replica_id} failed ({type(exc).__name__}); retry the request.",
-            status=502,
-            type="server_error",
-            code="upstream_unavailable",
-        ) from exc
-    ex.status = upstream.status_code
-    if request.method == "DELETE" and upstream.status_code in (200, 404):
-        await affinity.forget(response_id)
-    return Response(
-        upstream.content,
-        status_code=upstream.status_code,
-        media_type="application/json",
-        headers=_answer_headers(upstream, ex),
-    )
-
-
-def add_response_routes(app: FastAPI) -> None:
-    state: GatewayState = app.state.gateway
-    affinity = ResponseAffinity(state.config.redis_url)
-    app.state.response_affinity = affinity
-
-    @app.post("/v1/responses")
-    async def create_response(request: Request) -> Response:
-        ex = _exchange(request, "responses")
-        return await _answer(create(state, affinity, request, ex), ex, state)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(request: Request, response_id: str) -> Response:
-        ex = _exchange(request, "responses_by_id")
-        return await _answer(by_id(state, affinity, request, ex, response_id), ex, state)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(request: Request, response_id: str) -> Response:
-        ex = _exchange(request, "responses_by_id")
-        return await _answer(by_id(state, affinity, request, ex, response_id), ex, state)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(request: Request, response_id: str) -> Response:
-        ex = _exchange(request, "responses_by_id")
-        work = by_id(state, affinity, request, ex, response_id, "/cancel")
-        return await _answer(work, ex, state)
-
-
-def _exchange(request: Request, endpoint: str) -> Exchange:
-    return Exchange(_request_id(request.headers), endpoint, time.perf_counter())
-
-
-async def _answer(work: Any, ex: Exchange, state: GatewayState) -> Response:
-    """The answer, errors as OpenAI envelopes; the exchange recorded unless a stream is
-    still running (its end records it)."""
-    try:
-        response: Response = await work
-    except OpenAIError as err:
-        ex.status = err.status
-        headers = {**err.headers, "x-request-id": ex.request_id}
-        response = JSONResponse(err.body(), status_code=err.status, headers=headers)
-    if not ex.responded:
-        ex.finish(state.metrics)
-    return response
+def _pinned(state: GatewayState, owner: Owner) -> Decision:
+    """The decision that sends a request to its response's replica. The breaker hears of
+    the dispatch as it does from ``Router.route``: a half-open breaker lets one trial
+    through, pinned or not."""
+    state.router.replicas[owner.replica_id].breaker.on_dispatch()
+    return Decision(owner.replica_id, "response_affinity", 0, 0)

@@ -16,6 +16,7 @@ import httpx
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
 from gateway.upstream import Upstream
 from router.router import Router
@@ -33,6 +34,7 @@ class GatewayState:
     keys: KeyBuilder
     auth: Authenticator
     metrics: GatewayMetrics
+    affinity: ResponseAffinity  # response id -> replica, for the Responses API
     sync: RedisSync | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 

@@ -1,4 +1,5 @@
-"""The pooled client for forwarded requests: keep-alive HTTP/1.1 connections per replica
+"""The pooled client for forwarded requests (chat, completions and the Responses API's
+POST, GET and DELETE): keep-alive HTTP/1.1 connections per replica
 (gateway/http1.py), at most ``max_per_replica`` in use at once on each.
 
 A replica whose connections are all busy (a hung one holds them until the read timeout)
@@ -26,6 +27,7 @@ from gateway.http1 import Connection, Response, Target, UpstreamError
 # go of them a little earlier, so a pooled connection is rarely dead when it is reused.
 KEEPALIVE_S = 4.0
 MAX_TARGETS = 4096  # replicas come and go: parsed URLs and idle pools stay bounded
+METHODS = frozenset({"GET", "POST", "DELETE"})  # what the gateway forwards
 
 
 @dataclass(slots=True)
@@ -66,9 +68,18 @@ class Upstream:
         self._tls_context: ssl.SSLContext | None = None  # built on the first https replica
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
-        """Send; returns once the final answer's head arrived. Raises UpstreamError."""
+        """Send a POST; returns once the final answer's head arrived. Raises UpstreamError."""
+        return await self.request("POST", url, body, headers)
+
+    async def request(
+        self, method: str, url: str, body: bytes, headers: dict[str, str]
+    ) -> Response:
+        """Send ``method`` with ``body`` (empty for a GET or DELETE; a Content-Length is
+        always sent); returns once the final answer's head arrived. Raises UpstreamError."""
+        if method not in METHODS:
+            raise ValueError(f"method {method!r} is not one the gateway forwards")
         target = self._target(url)
-        lines = [f"POST {target.path} HTTP/1.1\r\nhost: {target.netloc}\r\n"]
+        lines = [f"{method} {target.path} HTTP/1.1\r\nhost: {target.netloc}\r\n"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name!r} has a line break")

@@ -249,7 +249,7 @@ def test_responses_tool_loop_stays_on_the_replica_that_stored_it(
     assert item.type == "function_call" and item.name == "get_weather"
     assert json.loads(item.arguments) == {"city": "Paris"}
     shared: Any = redis.Redis.from_url(module_redis.url).get(f"prefixgate:response:{called.id}")
-    assert shared is not None and shared.decode().startswith(f"{replica}\n")
+    assert shared is not None and json.loads(shared)["replica_id"] == replica
 
     second = c.responses.with_raw_response.create(
         model=MODEL,
@@ -288,8 +288,9 @@ def test_a_response_whose_replica_is_gone_is_a_404(
 ) -> None:
     """Another gateway recorded it on a replica this one no longer has: never an answer
     from a different replica."""
+    record = {"replica_id": "r-gone", "conversation": "agent-1", "tenant": OPEN_TENANT.name}
     redis.Redis.from_url(module_redis.url).set(
-        "prefixgate:response:resp_elsewhere", f"r-gone\nresp_elsewhere\n{OPEN_TENANT.name}", ex=60
+        "prefixgate:response:resp_elsewhere", json.dumps(record), ex=60
     )
     c = cluster.client()
     with pytest.raises(openai.NotFoundError, match="r-gone, which is gone"):
@@ -345,6 +346,8 @@ def test_a_tenant_cannot_reach_another_tenants_responses(
             return openai.OpenAI(base_url=keyed.url + "/v1", api_key=key, max_retries=0)
 
         mine = client("sk-alpha").responses.create(model=MODEL, input="private", store=True)
+        shared: Any = redis.Redis.from_url(module_redis.url).get(f"prefixgate:response:{mine.id}")
+        assert json.loads(shared)["conversation"] == f"alpha\x00{mine.id}"  # tenant-scoped
         assert client("sk-alpha").responses.retrieve(mine.id).id == mine.id
         with pytest.raises(openai.NotFoundError):
             client("sk-beta").responses.retrieve(mine.id)
