@@ -80,4 +80,6 @@ def bridge_command(
     cmd += ["--kv-events", f"tcp://{host}:{ports.events}"]
     cmd += ["--replay", f"tcp://{host}:{ports.replay}"]
     cmd += ["--redis-url", redis_url, "--model", args.model, "--tokenizer", args.model]
+    if args.chat_template is not None:  # the engine renders with it: so must the parity check
+        cmd += ["--chat-template", str(args.chat_template)]
     return cmd

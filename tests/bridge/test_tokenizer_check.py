@@ -188,3 +188,17 @@ async def test_the_bridges_start_up_check_uses_its_chat_template(
         assert bridge.stats.tokenizer_ok is True
     finally:
         await bridge.stop()
+
+
+def test_up_gives_its_bridges_the_engines_chat_template(tmp_path: Path) -> None:
+    from bridge.cli import parse_args
+    from prefixgate import up
+    from prefixgate.engines import EnginePorts, bridge_command
+
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    args = up.parse_args(
+        ["--engine", "vllm", "--model", "tiny-random", "--chat-template", str(path)]
+    )
+    cmd = bridge_command(args, EnginePorts(8101, 5557, 5558), "127.0.0.1", "redis://r:6379/0")
+    assert parse_args(cmd[4:]).chat_template == TEMPLATE
