@@ -24,7 +24,11 @@ should come near; ``--simulated-only`` stops there.
 
 Workloads: ``agents`` (the live comparison's agent sessions, conversation keys sent) and
 ``docs`` (``loadtest.skewed_docs``: single-turn document questions, Zipf popularity, no
-conversation key: the router sees only the prompt).
+conversation key: the router sees only the prompt). ``--fraction`` is per replica: at
+0.25 sixteen replicas hold four times the working set between them; a fraction near
+1/16 of the cluster's wanted share (e.g. 0.019 for 0.3) makes the tier matter to a
+router that partitions the documents too (the pool never goes below two of the longest
+requests).
 """
 
 from __future__ import annotations
@@ -71,7 +75,11 @@ def workload(name: str, seed: int) -> tuple[list[Session], bool]:
     if name == "docs":
         from loadtest import skewed_docs
 
-        return skewed_docs.generate(seed=seed, docs=40, requests=200, max_tokens=8), False
+        # 200 documents of 200-600 words, Zipf(1.1): 400 requests ask 104 of them.
+        docs = skewed_docs.generate(
+            seed=seed, docs=200, lengths=(200, 400, 600), zipf_s=1.1, requests=400, max_tokens=8
+        )
+        return docs, False
     raise SystemExit(f"unknown workload {name!r}: agents or docs")
 
 
@@ -214,7 +222,7 @@ def run_live(
     started = time.monotonic()
     try:
         for policy, mb in cells:
-            run_dir = args.run_root / args.workload / f"{policy}-host{mb}"
+            run_dir = args.run_root / (args.tag or args.workload) / f"{policy}-host{mb}"
             clusters[(policy, mb)] = launch(args, policy, blocks, mb, run_dir)
         for cluster in clusters.values():
             wait_ready(cluster, 300)
@@ -251,6 +259,7 @@ def main() -> int:
     p.add_argument("--slowdown", type=float, default=10.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", help="results file name (default: the workload's)")
     p.add_argument("--simulated-only", action="store_true", help="no clusters: the simulator")
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench/sim-host-tier"))
     p.add_argument("--run-root", type=Path, default=Path("runs/sim-host-tier"))
@@ -286,7 +295,7 @@ def main() -> int:
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.simulated_only:
-        path = args.out_dir / f"{args.workload}-simulated.json"
+        path = args.out_dir / f"{args.tag or args.workload}-simulated.json"
         path.write_text(json.dumps(data, indent=1) + "\n")
         print(f"[tier] {path}")
         return 0
@@ -297,7 +306,7 @@ def main() -> int:
         {"policy": pol, "host_mb": mb, **pooled(results[(pol, mb)]), "repeats": results[(pol, mb)]}
         for pol, mb in cells
     ]
-    path = args.out_dir / f"{args.workload}.json"
+    path = args.out_dir / f"{args.tag or args.workload}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
     print(f"[tier] done in {data['elapsed_s']:.0f} s: {path}")
     for cell in data["cells"]:
