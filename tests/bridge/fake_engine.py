@@ -143,6 +143,13 @@ class FakeEngine:
         self._queue.put((msgpack.packb(batch), send, replayable, seq))
         return seq
 
+    def publish_payload(self, payload: bytes) -> int:
+        """One batch as encoded bytes (e.g. recorded from vLLM's own encoder)."""
+        seq = self.seq
+        self.seq += 1
+        self._queue.put((payload, True, True, seq))
+        return seq
+
     def _event(self, tag: str, fields: dict[str, Any]) -> Any:
         if self.array_like_events:
             return [tag, *fields.values()]
