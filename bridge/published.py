@@ -6,9 +6,10 @@ each engine block sits in one tier at a time as far as routing cares (the device
 it has a copy there, else the host). So per key:
 
     producers[key]  engine blocks held in any tier that produced it   (> 0: published)
-    on_device[key]  of those, the blocks whose tier is the device     (0 < n <= producers)
+    on_host[key]    of those, the blocks whose tier is the host       (0 < n <= producers)
 
-and a key's tier is ``device`` when any producer is on the device, ``host`` otherwise.
+and a key's tier is ``host`` when all its producers are on the host, ``device``
+otherwise. Counting the host side keeps an engine without a host tier at no cost.
 ``parents`` mirrors the chain (short key → short parent) for snapshots.
 """
 
@@ -24,13 +25,14 @@ from router.protocol import Medium, SnapshotBlock
 class PublishedKeys:
     parents: dict[bytes, bytes | None] = field(default_factory=dict)
     producers: dict[bytes, int] = field(default_factory=dict)
-    on_device: dict[bytes, int] = field(default_factory=dict)
+    on_host: dict[bytes, int] = field(default_factory=dict)
 
     def tier(self, key: bytes) -> Medium | None:
         """Where routing finds ``key`` on this replica; None: not published."""
-        if key not in self.producers:
+        count = self.producers.get(key, 0)
+        if count == 0:
             return None
-        return "device" if key in self.on_device else "host"
+        return "host" if self.on_host.get(key, 0) == count else "device"
 
     def add(self, keys: Iterable[bytes], parent: bytes | None, tier: Medium) -> None:
         """One more producer of the chain ``keys`` (the first a child of ``parent``)."""
@@ -39,30 +41,30 @@ class PublishedKeys:
             if count == 0:
                 self.parents[key] = parent
             self.producers[key] = count + 1
-            if tier == "device":
-                self.on_device[key] = self.on_device.get(key, 0) + 1
+            if tier == "host":
+                self.on_host[key] = self.on_host.get(key, 0) + 1
             parent = key
 
     def drop(self, keys: Iterable[bytes], tier: Medium) -> None:
         """One producer of ``keys``, in ``tier``, is gone."""
         for key in keys:
-            if tier == "device":
-                _decrement(self.on_device, key)
+            if tier == "host":
+                _decrement(self.on_host, key)
             if not _decrement(self.producers, key):
                 del self.parents[key]
 
     def move(self, keys: Iterable[bytes], tier: Medium) -> None:
         """One producer of ``keys`` is now in ``tier`` (it was in the other one)."""
         for key in keys:
-            if tier == "device":
-                self.on_device[key] = self.on_device.get(key, 0) + 1
+            if tier == "host":
+                self.on_host[key] = self.on_host.get(key, 0) + 1
             else:
-                _decrement(self.on_device, key)
+                _decrement(self.on_host, key)
 
     def clear(self) -> None:
         self.parents.clear()
         self.producers.clear()
-        self.on_device.clear()
+        self.on_host.clear()
 
     def snapshot(self) -> list[SnapshotBlock]:
         """The published keys with their tiers, parents before children."""
@@ -75,15 +77,16 @@ class PublishedKeys:
                 path.append(k)
                 k = self.parents[k]
             for node in reversed(path):
-                tier: Medium = "device" if node in self.on_device else "host"
+                tier = self.tier(node)
+                assert tier is not None
                 out.append(SnapshotBlock(self.parents[node], node, tier))
                 emitted.add(node)
         return out
 
     def check_invariants(self) -> None:
         assert self.parents.keys() == self.producers.keys(), "mirror and counts disagree"
-        for key, n in self.on_device.items():
-            assert 0 < n <= self.producers.get(key, 0), "more device producers than producers"
+        for key, n in self.on_host.items():
+            assert 0 < n <= self.producers.get(key, 0), "more host producers than producers"
         assert all(n > 0 for n in self.producers.values()), "a published key without producer"
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
 from bridge.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, salt_of
@@ -82,9 +83,13 @@ class Copies(NamedTuple):
         return "device" if self.device else "host" if self.host else None
 
     def plus(self, tier: Medium, n: int) -> Copies:
-        if tier == "device":
-            return Copies(self.device + n, self.host)
-        return Copies(self.device, self.host + n)
+        counts = (self.device + n, self.host) if tier == "device" else (self.device, self.host + n)
+        return _FEW_COPIES.get(counts) or Copies(*counts)
+
+
+# Shared instances for the usual counts, so a million blocks hold no tuple of their own.
+_FEW_COPIES = MappingProxyType({(d, h): Copies(d, h) for d in range(4) for h in range(4)})
+NO_COPIES = _FEW_COPIES[0, 0]
 
 
 class Chain(NamedTuple):
@@ -192,7 +197,7 @@ class KeyTranslator:
         changes = _Changes()
         for block_hash in event.block_hashes:
             state = self.blocks.get(block_hash)
-            held = self.copies.get(block_hash, Copies())
+            held = self.copies.get(block_hash, NO_COPIES)
             if state is None or not (held.device if tier == "device" else held.host):
                 self.stats.unknown_removals += 1
                 continue
@@ -218,24 +223,36 @@ class KeyTranslator:
         """Add ``n`` copies of the block in ``tier`` and note what that changed for its
         keys. ``announced``: a store's tier, whose keys are published even when their
         tier did not change (a refresh for readers' LRU); None for a removal."""
-        before = self.copies.get(block_hash, Copies())
+        before = self.copies.get(block_hash, NO_COPIES)
         after = before.plus(tier, n)
-        if after.tier is None:
+        old_tier, new_tier = before.tier, after.tier
+        if new_tier is None:
             del self.copies[block_hash]
             del self.blocks[block_hash]
         else:
             self.copies[block_hash] = after
-        published = self.published
         keys = state.keys
-        was = [published.tier(k) for k in keys]
-        if before.tier is None and after.tier is not None:
-            published.add(keys, state.parent, after.tier)
-        elif before.tier is not None and after.tier is None:
-            published.drop(keys, before.tier)
-        elif before.tier != after.tier and after.tier is not None:
-            published.move(keys, after.tier)
+        published = self.published
+        tier_of = published.tier
+        if old_tier == new_tier:  # the keys stay where they are: a store refreshes them
+            if announced is not None:
+                for key in keys:
+                    if tier_of(key) == announced:
+                        changes.stored.append((key, announced))
+            return
+        was = [tier_of(k) for k in keys]
+        if old_tier is None:
+            assert new_tier is not None
+            published.add(keys, state.parent, new_tier)
+            if not any(was):  # the usual case: new keys, all in the block's tier
+                changes.stored.extend((key, new_tier) for key in keys)
+                return
+        elif new_tier is None:
+            published.drop(keys, old_tier)
+        else:
+            published.move(keys, new_tier)
         for key, old in zip(keys, was, strict=True):
-            new = published.tier(key)
+            new = tier_of(key)
             if new is None:
                 if old is not None:
                     changes.removed.append(key)
@@ -245,6 +262,8 @@ class KeyTranslator:
     def _update(self, changes: _Changes) -> Update:
         """Stored keys as chains: a chain continues while the next key is the child of
         the one before and in the same tier."""
+        if not changes.stored:
+            return Update((), tuple(changes.removed))
         chains: list[Chain] = []
         parents = self.published.parents
         run: list[bytes] = []
@@ -273,15 +292,15 @@ class KeyTranslator:
     def check_invariants(self) -> None:
         assert self.blocks.keys() == self.copies.keys(), "blocks and their copies disagree"
         producers: dict[bytes, int] = {}
-        on_device: dict[bytes, int] = {}
+        on_host: dict[bytes, int] = {}
         for block_hash, state in self.blocks.items():
             assert len(state.tail) < self.block_size, "a tail holds a whole block"
             held = self.copies[block_hash]
             assert held.device >= 0 and held.host >= 0 and held.tier is not None, "no copy"
             for key in state.keys:
                 producers[key] = producers.get(key, 0) + 1
-                if held.tier == "device":
-                    on_device[key] = on_device.get(key, 0) + 1
+                if held.tier == "host":
+                    on_host[key] = on_host.get(key, 0) + 1
         assert producers == self.published.producers, "producer counts differ from blocks"
-        assert on_device == self.published.on_device, "device counts differ from blocks"
+        assert on_host == self.published.on_host, "host counts differ from blocks"
         self.published.check_invariants()
