@@ -9,15 +9,17 @@ two replicas), measures index memory with tracemalloc, then times ``Router.route
 random cached chain's first half and add new blocks, like a conversation's next turn.
 Each request goes through the gateway's calls: ``route``, ``request_started`` with the
 predicted tokens, ``first_byte``, ``request_finished`` (which folds the deferred
-optimistic insert; reported too). GC pauses: the longest full collection with the index
-built (``gc.callbacks`` timing each collection), and every collection during the
-timed loop.
+optimistic insert; reported too). Memory: per indexed block, with the allocation sites
+that hold most of it. GC pauses: the longest full collection before and after the index
+is built (``gc.callbacks`` timing each collection; the difference is the index's
+share), and every collection during the timed loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import linecache
 import random
 import statistics
 import time
@@ -44,18 +46,34 @@ def main(argv: list[str] | None = None) -> None:
     for rid in replica_ids:
         router.add_replica(rid, f"http://{rid}", static=True)
 
+    pauses: list[tuple[int, float]] = []  # (generation, seconds) per collection
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((info["generation"], time.perf_counter() - started.pop()))
+
     n_chains = args.blocks // CHAIN
     # Tuples of bytes: the collector stops tracking them, so a full collection measures
     # the index, not this script's copy of the keys.
     chains = [tuple(rng.randbytes(16) for _ in range(CHAIN)) for _ in range(n_chains)]
-    gc.collect()
+    gc.callbacks.append(on_gc)
+    for _ in range(3):
+        gc.collect()
+    empty = max(p for _g, p in pauses)
+    pauses.clear()
+    gc.callbacks.remove(on_gc)
     tracemalloc.start()
+    first = tracemalloc.take_snapshot()
     before = tracemalloc.get_traced_memory()[0]
     for chain in chains:
         holders = rng.sample(replica_ids, 2 if rng.random() < 0.1 else 1)
         for rid in holders:
             router.index.insert(rid, chain)
     after = tracemalloc.get_traced_memory()[0]
+    sites = tracemalloc.take_snapshot().compare_to(first, "lineno")
     tracemalloc.stop()
     # The keys' own bytes objects count too (made before tracing; the index keeps them
     # alive): 49 bytes each, 56 with the allocator's 8-byte rounding.
@@ -67,21 +85,23 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"index memory:   {index_bytes / 2**20:.1f} MiB = {index_bytes / indexed:.0f} bytes/block"
     )
-
-    pauses: list[tuple[int, float]] = []  # (generation, seconds) per collection
-    started: list[float] = []
-
-    def on_gc(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            pauses.append((info["generation"], time.perf_counter() - started.pop()))
+    print(f"  keys (bytes objects, {key_bytes} B each): {key_bytes} bytes/block")
+    for site in sorted(sites, key=lambda st: -st.size_diff)[:3]:
+        frame = site.traceback[0]
+        line = linecache.getline(frame.filename, frame.lineno).strip()
+        print(
+            f"  {site.size_diff / indexed:5.1f} bytes/block at"
+            f" {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} ({line})"
+        )
 
     gc.callbacks.append(on_gc)
     for _ in range(3):
         gc.collect()
     full = max(p for _g, p in pauses)
-    print(f"full collection with the index built: max {full * 1000:.1f} ms over 3")
+    print(
+        f"full collection: max {empty * 1000:.1f} ms over 3 before the index,"
+        f" {full * 1000:.1f} ms with the index built"
+    )
     pauses.clear()
 
     # Wall time, and this thread's CPU time: on a shared machine the wall clock also

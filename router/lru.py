@@ -13,7 +13,7 @@ per block, interned so that equal words are one object):
 
 Order is kept in generations, oldest first, each ``gen_size`` additions long:
 
-    generation = labels: int          the labels whose holdings belong to it (a bitmask)
+    generation = labels: set[int]     the labels whose holdings belong to it
                  order: bytearray     keys as added, 16 bytes each (may be stale)
 
 A holding belongs to the generation owning its label; a log entry is *live* when its
@@ -31,23 +31,22 @@ pair holding the fewest blocks merges (labels united, logs concatenated). Evicti
 use are O(1) amortized; with ``gen_size`` 1 (a cap of 8 blocks or fewer) the order is
 exact LRU.
 
-Labels: each generation starts with one free label; a label returns to the free set
-when no block holds it any more (and its generation is not the newest). Merges can
-leave a generation with several labels; when a new generation finds none free, the
-generation with the most labels is relabelled to one of them (one walk over its log,
-the only step that is not O(1); with 128 labels and at most 16 generations it frees at
-least 7, so it happens at most once per 7 new generations, and in practice far less).
+Labels: each generation starts with one free label; a label is free again once no
+block holds it (and its generation is not the newest). Merges leave a generation with
+several labels, so labels in use can outnumber generations, but never the blocks held
+(+1): with 2²³ labels a free one is always there below ~8·10⁶ blocks per replica. Past
+that, a new generation that finds none free relabels the generation with the most
+labels to one of them: one walk over its log, the only step here that is not O(1).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 KEY_BYTES = 16
 MAX_GENERATIONS = 16
-FIELD_BITS = 8  # per replica slot in a node word: held bit + 7-bit generation label
+FIELD_BITS = 24  # per replica slot in a node word: held bit + 23-bit generation label
 LABELS = 1 << (FIELD_BITS - 1)
 FIELD = (1 << FIELD_BITS) - 1
 MAX_WORDS = 4096  # interned words kept; past it the table starts over (module doc)
@@ -56,7 +55,7 @@ MAX_WORDS = 4096  # interned words kept; past it the table starts over (module d
 @dataclass(slots=True)
 class _Generation:
     label: int  # the label its additions get while it is the newest
-    labels: int  # bitmask of the labels whose holdings belong here
+    labels: set[int]  # the labels whose holdings belong here
     held: int = 0
     order: bytearray = field(default_factory=bytearray)
     start: int = 0  # read position in ``order`` (bytes)
@@ -80,25 +79,24 @@ class BlockLRU:
     held: int = 0
     relabels: int = 0  # how many times ``_relabel`` ran (a statistic)
     shift: int = field(init=False)
-    _free: int = field(init=False)  # bitmask of free labels
-    _label_held: array[int] = field(init=False)  # label -> holdings with it
-    _label_gen: list[_Generation | None] = field(init=False)
+    _next_label: int = 0  # where the search for a free label starts
+    # Labels in use (owned by a generation): holdings per label, and the owner.
+    _label_held: dict[int, int] = field(init=False)
+    _label_gen: dict[int, _Generation] = field(init=False)
 
     def __post_init__(self) -> None:
         if not MAX_GENERATIONS <= self.labels <= LABELS:
             raise ValueError(f"labels must be in [{MAX_GENERATIONS}, {LABELS}]")
         self.shift = self.slot * FIELD_BITS
-        self._label_held = array("q", bytes(8 * self.labels))
-        self._label_gen = [None] * self.labels
         self._reset()
 
     def _reset(self) -> None:
-        first = _Generation(0, 1)
+        first = _Generation(0, {0})
         self.gens = [first]
         self.held = 0
-        self._free = (1 << self.labels) - 2
-        self._label_held[:] = array("q", bytes(8 * self.labels))
-        self._label_gen[:] = [first] + [None] * (self.labels - 1)
+        self._next_label = 1
+        self._label_held = {0: 0}
+        self._label_gen = {0: first}
 
     def __contains__(self, key: bytes) -> bool:
         return bool(self.nodes.get(key, 0) >> self.shift & 1)
@@ -123,7 +121,7 @@ class BlockLRU:
         if not field_:
             self._add(key, word)
             return True
-        if self._label_gen[field_ >> 1] is not self.gens[-1]:
+        if field_ >> 1 != self.gens[-1].label:  # (the newest has that one label only)
             self._add(key, self._unhold(key, word, field_))
         return False
 
@@ -163,7 +161,7 @@ class BlockLRU:
                 gen.start = 0
             word = nodes.get(key, 0)
             field_ = word >> shift & FIELD
-            if field_ and gen.labels >> (field_ >> 1) & 1:
+            if field_ and field_ >> 1 in gen.labels:
                 self._unhold(key, word, field_)
                 return key
 
@@ -193,7 +191,6 @@ class BlockLRU:
         """Drop the holding from its generation and the node word; the new word."""
         label = field_ >> 1
         gen = self._label_gen[label]
-        assert gen is not None
         gen.held -= 1
         self.held -= 1
         self._label_held[label] -= 1
@@ -219,11 +216,9 @@ class BlockLRU:
         self.nodes[key] = interned
 
     def _free_label(self, label: int) -> None:
-        gen = self._label_gen[label]
-        assert gen is not None and not self._label_held[label]
-        gen.labels &= ~(1 << label)
-        self._label_gen[label] = None
-        self._free |= 1 << label
+        assert not self._label_held[label]
+        self._label_gen.pop(label).labels.remove(label)
+        del self._label_held[label]
 
     def _live(self, gen: _Generation) -> Iterator[bytes]:
         """The keys of the generation's live log entries, in log order (a key may
@@ -232,7 +227,7 @@ class BlockLRU:
         for i in range(gen.start, len(order), KEY_BYTES):
             key = bytes(order[i : i + KEY_BYTES])
             field_ = nodes.get(key, 0) >> shift & FIELD
-            if field_ and gen.labels >> (field_ >> 1) & 1:
+            if field_ and field_ >> 1 in gen.labels:
                 yield key
 
     def _new_generation(self) -> _Generation:
@@ -251,15 +246,17 @@ class BlockLRU:
                 older.order[older.start :] + newer.order[newer.start :],
             )
             gens[i : i + 2] = [merged]
-            for label in _bits(merged.labels):
+            for label in merged.labels:
                 self._label_gen[label] = merged
-        if not self._free:
-            self._relabel(max(gens, key=lambda g: g.labels.bit_count()))
-        low = self._free & -self._free
-        self._free ^= low
-        label = low.bit_length() - 1
-        gen = _Generation(label, low)
+        if len(self._label_gen) >= self.labels:
+            self._relabel(max(gens, key=lambda g: len(g.labels)))
+        label = self._next_label
+        while label in self._label_gen:  # a few steps: labels in use are few (module doc)
+            label = (label + 1) % self.labels
+        self._next_label = (label + 1) % self.labels
+        gen = _Generation(label, {label})
         self._label_gen[label] = gen
+        self._label_held[label] = 0
         gens.append(gen)
         return gen
 
@@ -267,15 +264,14 @@ class BlockLRU:
         """Give every holding of ``gen`` one of its labels and free the others. Stale
         entries keep theirs: liveness, hence the order, is unchanged."""
         self.relabels += 1
-        keep = gen.labels & -gen.labels
-        label = keep.bit_length() - 1
+        label = min(gen.labels)
         shift = self.shift
         for key in list(self._live(gen)):
             word = self.nodes[key]
             field_ = word >> shift & FIELD
             if field_ >> 1 != label:
                 self._write(key, word ^ (field_ ^ (label << 1 | 1)) << shift)
-        for other in _bits(gen.labels & ~keep):
+        for other in sorted(gen.labels - {label}):
             self._label_held[other] = 0
             self._free_label(other)
         self._label_held[label] = gen.held
@@ -283,28 +279,22 @@ class BlockLRU:
     def check_invariants(self) -> None:
         gens = self.gens
         assert gens and self.held == sum(g.held for g in gens)
-        owned = 0
+        owned: set[int] = set()
         for gen in gens:
             assert not owned & gen.labels, "a label in two generations"
             owned |= gen.labels
-            assert gen.held == sum(self._label_held[label] for label in _bits(gen.labels))
-            assert all(self._label_gen[label] is gen for label in _bits(gen.labels))
+            assert gen.held == sum(self._label_held[label] for label in gen.labels)
+            assert all(self._label_gen[label] is gen for label in gen.labels)
             assert gen.held == len(set(self._live(gen))), "a holding missing from its log"
+            assert gen is gens[-1] or all(map(self._label_held.get, gen.labels)), "unused label"
         newest = gens[-1]
-        assert newest.labels == 1 << newest.label, "the newest generation has one label"
-        assert owned | self._free == (1 << self.labels) - 1 and not owned & self._free
-        assert all(self._label_gen[label] is None for label in _bits(self._free))
-        per_label = [0] * self.labels
+        assert newest.labels == {newest.label}, "the newest generation has one label"
+        assert owned == self._label_gen.keys() == self._label_held.keys()
+        assert len(owned) <= min(self.labels, self.held + 1)
+        per_label = dict.fromkeys(owned, 0)
         for word in self.nodes.values():
             field_ = word >> self.shift & FIELD
             if field_:
                 assert field_ & 1, "a field with a label but no held bit"
                 per_label[field_ >> 1] += 1
-        assert per_label == list(self._label_held), "label counts disagree with the words"
-
-
-def _bits(mask: int) -> Iterator[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
+        assert per_label == self._label_held, "label counts disagree with the words"
