@@ -1,13 +1,16 @@
 """Agents: requests that carry real tool definitions, through the gateway.
 
-    .venv/bin/python benchmarks/agents_bench.py overhead [--requests 400]
+    .venv/bin/python benchmarks/agents_bench.py overhead [--requests 400 --repeats 3]
     .venv/bin/python benchmarks/agents_bench.py routing [--agents 6 --sessions 3]
 
-``overhead``: the gateway's added latency for a chat with 30 tool definitions (about 4k
+``overhead``: the gateway's added latency for a chat with 30 tool definitions (about 6k
 tokens of schema), at concurrency 1 over the stub backend: p50/p99 of the full response
 direct vs through the gateway, which renders the tool-aware template
 (tests/support/tool_template.jinja) and tokenizes every request (``--tokenizer
-tiny-random``); the user's question changes on every request.
+tiny-random``); the user's question changes on every request. A second gateway started
+with ``--key-memo-mb 0`` (no memory of recent prompts' block keys) is measured in the
+same run (``--no-baseline``: not); requests go to the targets in rotating order, so that
+other load on the machine falls on each alike.
 
 ``routing``: an agents workload on two tiny-random replicas (tests/support/scripted_replica.py:
 real forward passes and prefix caches, scripted tool calls) through one gateway with
@@ -100,7 +103,9 @@ def start(args: list[str], port: int, procs: list[subprocess.Popen[bytes]], log:
     return url
 
 
-def overhead(n: int) -> None:
+def overhead(n: int, repeats: int, baseline: bool) -> None:
+    """Direct, then through each gateway, one request after the other in rotating order
+    (so that load on the machine falls on every target alike), ``repeats`` times."""
     import httpx
 
     from prefixgate.tokenizer import ChatTokenizer
@@ -110,28 +115,33 @@ def overhead(n: int) -> None:
     tokenizer.set_chat_template(TEMPLATE.read_text())
     schema_tokens = len(tokenizer.encode(json.dumps(defs)))
     procs: list[subprocess.Popen[bytes]] = []
+    load_before = os.getloadavg()
+    rows: list[tuple[int, dict[str, tuple[float, float]], dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         try:
             port = free_port()
-            stub = start(
-                ["-m", "tests.support.stub_backend", "--port", str(port), "--model", MODEL],
-                port, procs, Path(tmp) / "stub.log",
-            )  # fmt: skip
-            port = free_port()
-            gateway = start(
-                ["-m", "prefixgate", "gateway", "--port", str(port), "--replica", stub,
-                 "--tokenizer", MODEL, "--chat-template", str(TEMPLATE), "--log-level", "info"],
-                port, procs, Path(tmp) / "gateway.log",
-            )  # fmt: skip
-            wait_http_ok(gateway + "/ready", timeout=60, procs=procs)
-            results = {}
-            cpu: dict[str, float] = {}
+            stub_args = ["-m", "tests.support.stub_backend", "--port", str(port)]
+            stub = start([*stub_args, "--model", MODEL], port, procs, Path(tmp) / "stub.log")
+            targets = {"direct (stub)": stub}
+            gateways: dict[str, list[str]] = {"gateway": []}
+            if baseline:  # the same gateway without the key memo (gateway/key_memo.py)
+                gateways = {"gateway, no key memo": ["--key-memo-mb", "0"], **gateways}
+            for name, extra in gateways.items():
+                port = free_port()
+                targets[name] = start(
+                    ["-m", "prefixgate", "gateway", "--port", str(port),
+                     "--replica", targets["direct (stub)"], "--tokenizer", MODEL,
+                     "--chat-template", str(TEMPLATE), "--log-level", "info", *extra],
+                    port, procs, Path(tmp) / f"gateway{len(targets)}.log",
+                )  # fmt: skip
+                wait_http_ok(targets[name] + "/ready", timeout=60, procs=procs)
+            names = list(targets)
             with httpx.Client(timeout=30) as client:
-                for (name, url), proc in zip(
-                    (("direct (stub)", stub), ("gateway", gateway)), procs, strict=True
-                ):
-                    times = []
-                    cpu_before = cpu_seconds(proc.pid)
+                for repeat in range(repeats):
+                    times: dict[str, list[float]] = {name: [] for name in names}
+                    cpu_before = {
+                        name: cpu_seconds(p.pid) for name, p in zip(names, procs, strict=True)
+                    }
                     for i in range(n + 20):
                         body = {
                             "model": MODEL,
@@ -142,25 +152,40 @@ def overhead(n: int) -> None:
                             "tools": defs,
                             "max_tokens": 8,
                         }
-                        started = time.perf_counter()
-                        r = client.post(url + "/v1/chat/completions", json=body)
-                        elapsed = time.perf_counter() - started
-                        assert r.status_code == 200, r.text
-                        if i >= 20:  # warm-up: connections, the tokenizer, its piece cache
-                            times.append(elapsed * 1e3)
-                    results[name] = (_pct(times, 50), _pct(times, 99))
-                    cpu[name] = (cpu_seconds(proc.pid) - cpu_before) / (n + 20) * 1e3
+                        for k in range(len(names)):
+                            name = names[(i + k) % len(names)]
+                            started = time.perf_counter()
+                            r = client.post(targets[name] + "/v1/chat/completions", json=body)
+                            elapsed = time.perf_counter() - started
+                            assert r.status_code == 200, r.text
+                            if i >= 20:  # warm-up: connections, the tokenizer, its caches
+                                times[name].append(elapsed * 1e3)
+                    # per request it served: the stub serves every target's requests
+                    served = {name: n + 20 for name in names} | {names[0]: len(names) * (n + 20)}
+                    cpu = {
+                        name: (cpu_seconds(p.pid) - cpu_before[name]) / served[name] * 1e3
+                        for name, p in zip(names, procs, strict=True)
+                    }
+                    percentiles = {k: (_pct(v, 50), _pct(v, 99)) for k, v in times.items()}
+                    rows.append((repeat, percentiles, cpu))
         finally:
             for proc in procs:
                 stop_process(proc, grace_s=5)
-    print(f"30 tools, {schema_tokens} tokens of schema JSON, {n} requests, concurrency 1")
-    for name, (p50, p99) in results.items():
-        print(
-            f"  {name:<14} full p50 {p50:.2f} ms  p99 {p99:.2f} ms  "
-            f"server CPU {cpu[name]:.2f} ms/request"
-        )
-    added = results["gateway"][0] - results["direct (stub)"][0]
-    print(f"  added p50 {added:+.2f} ms")
+    load_after = os.getloadavg()
+    print(
+        f"30 tools, {schema_tokens} tokens of schema JSON, {n} requests per target and "
+        f"repeat, interleaved, concurrency 1; load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after"
+    )
+    for repeat, percentiles, cpu in rows:
+        direct = percentiles["direct (stub)"][0]
+        print(f"  repeat {repeat + 1}")
+        for name, (p50, p99) in percentiles.items():
+            added = "" if name == "direct (stub)" else f"  added p50 {p50 - direct:+.2f} ms"
+            print(
+                f"    {name:<22} full p50 {p50:.2f} ms  p99 {p99:.2f} ms  "
+                f"server CPU {cpu[name]:.2f} ms/request{added}"
+            )
 
 
 def session(
@@ -266,12 +291,16 @@ def main() -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     o = sub.add_parser("overhead")
     o.add_argument("--requests", type=int, default=400)
+    o.add_argument("--repeats", type=int, default=3)
+    o.add_argument(
+        "--no-baseline", action="store_true", help="skip the gateway without the key memo"
+    )
     r = sub.add_parser("routing")
     r.add_argument("--agents", type=int, default=6)
     r.add_argument("--sessions", type=int, default=3)
     args = parser.parse_args()
     if args.what == "overhead":
-        overhead(args.requests)
+        overhead(args.requests, args.repeats, not args.no_baseline)
     else:
         routing(args.agents, args.sessions)
     return 0

@@ -107,6 +107,7 @@ def _key_builder(config: GatewayConfig) -> KeyBuilder:
             for model, path in config.model_chat_templates.items()
         },
         chat_template=read_chat_template_file(every) if every is not None else None,
+        memo_bytes=config.key_memo_bytes,
     )
 
 

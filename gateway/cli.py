@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="longest wait for a free connection to a replica; then another one, or 503",
     )
+    add_env_flag(
+        p,
+        "key-memo-mb",
+        type=float,
+        default=64.0,
+        help="memory for the block keys of recent prompts, so that a prompt repeating a "
+        "recent prefix (tools, system prompt, history) hashes only what follows it; 0: off",
+    )
     add_http_limit_flags(p)
     add_env_flag(p, "gateway-id", help="this gateway's id in routing hints shared through Redis")
     add_env_flag(p, "log-level", default="info", help="logging level")
@@ -112,6 +121,12 @@ def chat_template_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]
     return every, per_model
 
 
+def _memo_bytes(mb: float) -> int:
+    if not math.isfinite(mb) or mb < 0:
+        raise ValueError(f"--key-memo-mb must be a number of MiB >= 0, got {mb}")
+    return int(mb * 1024 * 1024)
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     chat_template, model_chat_templates = chat_template_flags(args.chat_template)
     return GatewayConfig(
@@ -133,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         probe_interval_s=args.probe_interval_s,
         max_connections_per_replica=args.max_connections_per_replica,
         pool_timeout_s=args.pool_timeout_s,
+        key_memo_bytes=_memo_bytes(args.key_memo_mb),
         gateway_id=args.gateway_id,
     )
 

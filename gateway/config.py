@@ -40,6 +40,8 @@ class GatewayConfig:
     gateway_id: str | None = None
     # Prompts longer than this (characters) are tokenized in a worker thread.
     inline_tokenize_chars: int = 8192
+    # Memory for the block keys of recent prompts (gateway/key_memo.py); 0: none kept.
+    key_memo_bytes: int = 64 << 20
     # Connections to one replica in use at once; a request finding none free waits up to
     # pool_timeout_s, then goes to another replica or gets 503 (gateway/upstream.py).
     max_connections_per_replica: int = 1024
@@ -54,6 +56,8 @@ class GatewayConfig:
             raise ValueError("max_body_bytes must be positive")
         if self.max_connections_per_replica < 1:
             raise ValueError("max_connections_per_replica must be at least 1")
+        if self.key_memo_bytes < 0:
+            raise ValueError("key_memo_bytes must not be negative")
         if self.pool_timeout_s <= 0:
             raise ValueError("pool_timeout_s must be positive")
         self.replicas = [url.rstrip("/") for url in self.replicas]

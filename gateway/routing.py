@@ -19,8 +19,10 @@ import logging
 import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import NamedTuple, Protocol
 
+from gateway.key_memo import KeyMemo
 from prefixgate.chat_input import ChatInput, chat_input, content_text
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest
 from router.protocol import KeySpace
@@ -57,7 +59,8 @@ def default_loader(name_or_path: str, chat_template: str | None = None) -> Token
 
 
 class KeyBuilder:
-    """Tokenizers per model (loaded once, failures remembered) and key computation."""
+    """Tokenizers per model (loaded once, failures remembered) and key computation, with
+    the keys of recent prompts remembered (``memo``, gateway/key_memo.py)."""
 
     __slots__ = (
         "_chat_template",
@@ -66,6 +69,7 @@ class KeyBuilder:
         "_loader",
         "_override",
         "_tokenizers",
+        "memo",
     )
 
     def __init__(
@@ -76,8 +80,10 @@ class KeyBuilder:
         loader: Callable[[str, str | None], Tokenizer] = default_loader,
         chat_templates: Mapping[str, str] | None = None,
         chat_template: str | None = None,
+        memo_bytes: int = 64 << 20,
     ) -> None:
         self._override = tokenizer
+        self.memo = KeyMemo(memo_bytes)
         self._inline_chars = inline_chars
         self._loader = loader
         # model -> chat template source (--chat-template): the replicas serving the model
@@ -116,9 +122,12 @@ class KeyBuilder:
         if model not in self._tokenizers:
             await self.preload(model)
         tokenizer = self._tokenizers[model]
+        memo = self.memo
         if _prompt_chars(request) <= self._inline_chars:
-            return prompt_keys(request, tokenizer, model, block_size, salt)
-        return await asyncio.to_thread(prompt_keys, request, tokenizer, model, block_size, salt)
+            return prompt_keys(request, tokenizer, model, block_size, salt, memo)
+        return await asyncio.to_thread(
+            prompt_keys, request, tokenizer, model, block_size, salt, memo
+        )
 
 
 def prompt_keys(
@@ -127,25 +136,29 @@ def prompt_keys(
     model: str,
     block_size: int,
     salt: str,
+    memo: KeyMemo | None = None,
 ) -> PromptKeys:
+    """The request's block keys (from ``memo`` where a recent prompt shared a prefix)."""
     space = KeySpace(model, block_size, salt)
+    keys = space.short_keys if memo is None else partial(memo.short_keys, space)
     if isinstance(request, CompletionRequest):
         prompt = request.single_prompt()
         if not isinstance(prompt, str):  # token ids: exact whatever the tokenizer
-            return PromptKeys(space.short_keys(prompt), len(prompt), True)
+            return PromptKeys(keys(prompt), len(prompt), True)
         if tokenizer is not None:
             ids = tokenizer.encode(prompt)
-            return PromptKeys(space.short_keys(ids), len(ids), True)
+            return PromptKeys(keys(ids), len(ids), True)
         text = prompt
     else:
         chat = chat_input(request)
         if tokenizer is not None:
             ids = tokenizer.encode_input(chat)
-            return PromptKeys(space.short_keys(ids), len(ids), True)
+            return PromptKeys(keys(ids), len(ids), True)
         text = chat_bytes_text(chat)
     words = bytes_as_tokens(text.encode("utf-8"))
     byte_space = KeySpace(f"bytes:{model}", block_size, salt)
-    return PromptKeys(byte_space.short_keys(words), len(words), False)
+    byte_keys = byte_space.short_keys if memo is None else partial(memo.short_keys, byte_space)
+    return PromptKeys(byte_keys(words), len(words), False)
 
 
 def chat_bytes_text(chat: ChatInput) -> str:
