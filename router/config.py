@@ -14,14 +14,15 @@ class RouterConfig:
 
     # --- cache_aware (router/policies.py, CacheAware) ------------------------------
     prefill_s_per_token: float = 0.00015
-    """Prefill seconds per uncached token assumed for a replica the router has not timed
-    yet (then learned per replica from its first bytes, router/cost.py)."""
+    """Prefill seconds per uncached token assumed before the router has timed any
+    replica (then fitted per replica to its first bytes, router/cost.py)."""
     recompute_weight: float = 1.5
     """Uncached tokens count this many times in the choice (the queue ahead once): a
     recomputed prefix costs the cluster compute and cache space, a wait does not."""
     decode_tokens_per_request: int = 128
-    """Decode pressure: each request in flight on a replica adds this many prefill
-    tokens' time to its predicted time to first token."""
+    """Decode pressure: each request in flight on a replica is priced as this many
+    prefill tokens in the choice (joining it slows every reply there), beyond what it
+    adds to the predicted time to first token (fitted, router/cost.py)."""
     queue_cap: float = 4.0
     """Safety cap: a replica whose queued prefill tokens exceed this × (the other
     replicas' mean queue + the prompt's tokens) is not chosen while another is."""

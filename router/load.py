@@ -43,6 +43,7 @@ class InFlight:
     uncached_tokens: int  # predicted: counted in the replica's queue until the first byte
     queued_tokens: int  # predicted queue ahead of it at dispatch (the cost fit's input)
     started_at: float  # router clock
+    running: int = 0  # other requests in flight there at dispatch (the cost fit's input)
     queued: bool = True  # its uncached tokens still count in the queue
     done: bool = False
 

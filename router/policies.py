@@ -27,15 +27,17 @@ class Candidate(NamedTuple):
     queued: int = 0  # prefill tokens queued there before this request
     uncached: int = 0  # tokens of this request it would have to compute
     cost: float = 0.0  # its prefill seconds per token (learned, router/cost.py)
-    decode_tokens: int = 0  # decode pressure: prefill tokens each request there counts as
+    running_s: float = 0.0  # seconds each request in flight there adds (learned)
     # Matched tokens on its host KV tier x their copy cost, in prefill tokens.
     swap_tokens: float = 0.0
+    fixed_s: float = 0.0  # seconds every request there pays (learned)
+    decode_tokens: int = 0  # decode pressure: prefill tokens each request there is priced
 
     @property
     def predicted_s(self) -> float:
         """Predicted time to first token there (the cost model, ``CacheAware``)."""
-        work = self.queued + self.uncached + self.swap_tokens + self.load * self.decode_tokens
-        return work * self.cost
+        work = self.queued + self.uncached + self.swap_tokens
+        return self.fixed_s + work * self.cost + self.load * self.running_s
 
 
 class RouteInput(NamedTuple):
@@ -159,7 +161,8 @@ class CacheAware(Policy):
 
     For each candidate replica r (healthy, serving the model, not excluded):
 
-        predicted TTFT(r) = (queued(r) + uncached(r) + swap(r) + load(r) × decode) × cost(r)
+        predicted TTFT(r) = fixed(r) + (queued(r) + uncached(r) + swap(r)) × cost(r)
+                            + load(r) × running(r)
 
     * ``queued(r)``: prefill tokens already waiting or running there (this gateway's
       routed requests until their first byte, plus what other gateways had there at the
@@ -167,17 +170,26 @@ class CacheAware(Policy):
     * ``uncached(r)``: this request's prompt tokens beyond its prefix cached there;
     * ``swap(r)``: the matched tokens on its host KV tier × ``swap_in_token_cost`` (they
       are copied back to the device, not computed);
-    * ``load(r) × decode``: decode pressure, each request in flight there counted as
-      ``decode_tokens_per_request`` prefill tokens (its decode steps share the
-      replica's forward passes with the next prefill);
-    * ``cost(r)``: seconds per prefill token there, learned from its first bytes
-      (router/cost.py; a replica not timed yet takes the cluster's learned figure,
-      ``prefill_s_per_token`` before any).
+    * ``load(r)``: requests in flight there; under continuous batching a new prompt
+      joins their steps (it waits for the step under way and shares the next ones);
+    * ``fixed(r)`` (s), ``cost(r)`` (s per token), ``running(r)`` (s per request in
+      flight): fitted in seconds to the observed times to first byte of every replica,
+      each scaled by the replica's own speed factor (router/cost.py: decayed least
+      squares, bounded, never negative; before any sample 0, ``prefill_s_per_token``
+      and 0, factor 1).
 
-    The minimum of ``predicted + (recompute_weight − 1) × uncached(r) × cost(r)`` wins:
-    recomputed tokens are priced ``recompute_weight`` times (default 1.5) the tokens
-    waited behind, because recomputing spends the cluster's compute and cache space
-    while waiting spends only this request's time (1: the plain minimum predicted TTFT).
+    The choice is the minimum of
+
+        score(r) = predicted TTFT(r) + ((recompute_weight − 1) × uncached(r)
+                                        + load(r) × decode_tokens_per_request) × cost(r)
+
+    two prices beyond this request's own wait: recomputed tokens count
+    ``recompute_weight`` times (default 1.5), because recomputing spends the cluster's
+    compute and cache space; and each request in flight there counts
+    ``decode_tokens_per_request`` prefill tokens (default 128), because this request's
+    decode steps and theirs share the replica: joining a busy replica slows every reply
+    there, which its own first token does not show (both 0 and 1: the plain minimum
+    predicted TTFT).
     A long cached prefix wins until its replica's queue costs more than recomputing the
     prefix elsewhere; then the next request goes elsewhere, and
     that replica caches the prefix too (the router's optimistic insert makes it a match
@@ -213,9 +225,10 @@ class CacheAware(Policy):
         best = cheapest = math.inf
         longest = candidates[0]
         for c in candidates:
-            work = c.queued + c.uncached + c.swap_tokens + c.load * c.decode_tokens
-            predicted[c.replica_id] = work * c.cost
-            score[c.replica_id] = predicted[c.replica_id] + weight * c.uncached * c.cost
+            work = c.queued + c.uncached + c.swap_tokens
+            predicted[c.replica_id] = c.fixed_s + work * c.cost + c.load * c.running_s
+            price = weight * c.uncached + c.load * c.decode_tokens
+            score[c.replica_id] = predicted[c.replica_id] + price * c.cost
             if c.matched > longest.matched:
                 longest = c
         for c in open_:
@@ -277,6 +290,8 @@ def _said(c: Candidate, predicted: Mapping[str, float], request: RouteInput) -> 
     parts = [f"matched {c.matched}/{request.total_blocks}"] if c.matched else []
     if c.queued:
         parts.append(f"queued {c.queued:,} tok")
+    if c.load and c.running_s:
+        parts.append(f"{c.load} in flight")
     return text + (f" ({', '.join(parts)})" if parts else "")
 
 

@@ -1,6 +1,6 @@
 """The router facade the gateway and the simulator use: replicas in, one decision out.
 
-State: replica views (address, load in requests and queued tokens, learned prefill cost,
+State: replica views (address, load in requests and queued tokens, learned TTFT fit,
 breaker, this gateway's unfinished requests), the prefix index, the conversation ring,
 and per replica the sequence number of the last block event applied. Decisions are
 synchronous and cheap (no I/O); router/sync.py feeds events, snapshots, loads and other
@@ -26,7 +26,7 @@ from operator import itemgetter
 from typing import Any, NamedTuple
 
 from router.config import RouterConfig
-from router.cost import PrefillCost
+from router.cost import SPEED_AFTER, ReplicaSpeed, TtftFit
 from router.health import CircuitBreaker
 from router.index import PrefixIndex
 from router.load import InFlight, LoadTracker
@@ -59,7 +59,7 @@ class ReplicaView:
     block_size: int
     static: bool
     breaker: CircuitBreaker
-    cost: PrefillCost
+    speed: ReplicaSpeed
     load: LoadTracker = field(default_factory=LoadTracker)
     # This gateway's requests there that have not finished (insertion order: oldest first).
     requests: dict[InFlight, None] = field(default_factory=dict)
@@ -114,8 +114,8 @@ class Router:
         self._replicas: dict[str, ReplicaView] = {}
         self._hooks: list[RoutedHook] = []
         self._decisions: Counter[str] = Counter()
-        # Learned from every replica's first bytes: the prior of a replica not timed yet.
-        self.cluster_cost = PrefillCost(self.config.prefill_s_per_token)
+        # Learned from every replica's first bytes, scaled by each replica's speed.
+        self.cluster_cost = TtftFit(self.config.prefill_s_per_token)
         self._expired_optimistic = 0
         self._resyncs = 0
 
@@ -161,7 +161,7 @@ class Router:
                 block_size,
                 static,
                 breaker,
-                PrefillCost(self.config.prefill_s_per_token),
+                ReplicaSpeed(),
                 LoadTracker(self.config.report_ttl_s),
                 ttl_s=self.config.replica_ttl_s,
             )
@@ -224,13 +224,14 @@ class Router:
         if index.pending >= self.config.max_deferred_inserts:
             index.fold()  # nobody folded lately (no request finished, no sweep): catch up
         matches = index.depths(index.lookup(short))
-        prior = self.cluster_cost.s_per_token
-        decode = self.config.decode_tokens_per_request
+        cluster = self.cluster_cost
         swap = self.config.swap_in_token_cost
+        decode = self.config.decode_tokens_per_request
         candidates = []
         for v in views:
             matched = matches.get(v.replica_id, 0)
             length = len(short) * v.block_size if prompt_tokens is None else prompt_tokens
+            k = v.speed.factor
             candidates.append(
                 Candidate(
                     v.replica_id,
@@ -238,11 +239,13 @@ class Router:
                     matched,
                     v.load.queued,
                     max(1, length - matched * v.block_size),  # at least one token computed
-                    v.cost.s_per_token if v.cost.samples else prior,
-                    decode,
+                    cluster.s_per_token * k,
+                    cluster.s_per_running * k,
                     swap * index.host_blocks(v.replica_id, short[:matched]) * v.block_size
                     if matched
                     else 0.0,
+                    cluster.fixed_s * k,
+                    decode,
                 )
             )
         request = RouteInput(
@@ -283,6 +286,7 @@ class Router:
         request = InFlight(replica_id, max(0, uncached_tokens), max(0, queued_tokens), self.clock())
         view = self._replicas.get(replica_id)
         if view is not None:
+            request.running = view.load.load
             view.requests[request] = None
             view.load.started(request.uncached_tokens)
         else:
@@ -291,7 +295,7 @@ class Router:
 
     def first_byte(self, request: InFlight) -> None:
         """The replica sent the request's first byte: its prefill is done. Its tokens
-        leave the queue and its time to first byte teaches the replica's cost per token.
+        leave the queue and its time to first byte teaches the replica's TTFT fit.
         Only the first call counts."""
         if not request.queued:
             return
@@ -302,8 +306,12 @@ class Router:
         view.load.first_byte(request.uncached_tokens)
         tokens = request.queued_tokens + request.uncached_tokens
         ttft_s = self.clock() - request.started_at
-        view.cost.observe(tokens, ttft_s)
-        self.cluster_cost.observe(tokens, ttft_s)
+        # The cluster's fit is of a speed-1 replica: each sample divided by its replica's
+        # factor; the factor is the replica's ratio to that fit, once it has a shape.
+        cluster = self.cluster_cost
+        cluster.observe(tokens, request.running, ttft_s / view.speed.factor)
+        if cluster.samples > SPEED_AFTER:
+            view.speed.observe(ttft_s, cluster.predict(tokens, request.running))
 
     def request_finished(self, request: InFlight | str, *, ok: bool | None) -> None:
         """The replica is done with a request (answered, failed, or cancelled); ``ok``
@@ -437,6 +445,8 @@ class Router:
             "index_blocks": len(self.index),
             "expired_optimistic": self._expired_optimistic,
             "cluster_s_per_token": self.cluster_cost.s_per_token,
+            "cluster_fixed_s": self.cluster_cost.fixed_s,
+            "cluster_s_per_running": self.cluster_cost.s_per_running,
             "sequence_gaps": self._resyncs,
             "replicas": {
                 rid: {
@@ -446,8 +456,11 @@ class Router:
                     "load": v.load.load,
                     "queued_tokens": v.load.queued,
                     "own_queued_tokens": v.load.queued_tokens,
-                    "s_per_token": v.cost.s_per_token,
-                    "cost_samples": v.cost.samples,
+                    "speed_factor": v.speed.factor,
+                    "fixed_s": self.cluster_cost.fixed_s * v.speed.factor,
+                    "s_per_token": self.cluster_cost.s_per_token * v.speed.factor,
+                    "s_per_running": self.cluster_cost.s_per_running * v.speed.factor,
+                    "cost_samples": v.speed.samples,
                     "blocks": self.index.blocks(rid),
                     "optimistic_blocks": self.index.tentative_blocks(rid),
                     "last_seq": v.last_seq,
@@ -462,7 +475,7 @@ class Router:
         assert all(rid in self.ring for rid in self._replicas)
         for view in self._replicas.values():
             view.breaker.check_invariants()
-            view.cost.check_invariants()
+            view.speed.check_invariants()
             view.load.check_invariants()
             assert view.load.in_flight == len(view.requests)
             assert view.load.queued_tokens == sum(

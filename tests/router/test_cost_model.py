@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config import RouterConfig
-from router.cost import BOUND, MIN_TOKENS, PrefillCost
+from router.cost import BOUND, CLIP, TOKEN_UNIT, ReplicaSpeed, TtftFit
 from router.load import InFlight
 from router.protocol import BlockEvent, KeySpace, ReplicaLoad
 from router.router import Router
@@ -69,14 +69,20 @@ def test_routed_tokens_count_until_the_first_byte_which_teaches_the_cost() -> No
 def test_a_slower_replica_learns_a_higher_cost_and_new_work_shifts_away() -> None:
     router, clock = make(decode_tokens_per_request=0)
     # r0 answers 4x slower per token than r1.
-    for rid, ttft in (("r0", 0.4), ("r1", 0.1)):
-        for _ in range(5):
-            request = router.request_started(rid, uncached_tokens=320)
-            clock.now += ttft
+    for tokens in (160, 320, 640) * 20:
+        for rid, s_per_token in (("r0", 0.00125), ("r1", 0.0003125)):
+            request = router.request_started(rid, uncached_tokens=tokens)
+            clock.now += tokens * s_per_token
             router.first_byte(request)
             router.request_finished(request, ok=True)
-    costs = {rid: v.cost.s_per_token for rid, v in router.replicas.items()}
-    assert costs["r0"] == pytest.approx(0.4 / 320) and costs["r1"] == pytest.approx(0.1 / 320)
+    stats = router.stats()["replicas"]
+    cluster = router.cluster_cost
+    predicted = {
+        rid: cluster.predict(320, 0) * router.replicas[rid].speed.factor for rid in ("r0", "r1")
+    }
+    assert predicted["r0"] == pytest.approx(0.4, rel=0.1)
+    assert predicted["r1"] == pytest.approx(0.1, rel=0.1)
+    assert stats["r0"]["s_per_token"] == pytest.approx(4 * stats["r1"]["s_per_token"], rel=0.15)
     # New 320-token prompts now go to r1, until r1's queue costs more than r0's slower
     # compute: (queued + 320) x 0.31 ms against 320 x 1.25 ms, i.e. 3 queued there.
     placed = []
@@ -85,6 +91,30 @@ def test_a_slower_replica_learns_a_higher_cost_and_new_work_shifts_away() -> Non
         router.request_started(decision.replica_id, decision.uncached_tokens)
         placed.append(decision.replica_id)
     assert placed[:3] == ["r1"] * 3 and "r0" in placed[3:]
+    router.check_invariants()
+
+
+def test_a_replica_running_requests_loses_to_an_idle_one_once_they_cost_more() -> None:
+    # Both replicas hold the document; each request in flight delays a first token by
+    # 40 ms there, measured. r0 runs some, r1 none: r1 wins as soon as r0 runs one.
+    router, clock = make(2, decode_tokens_per_request=0)
+    for rid in ("r0", "r1"):
+        hold(router, rid, prompt(1, 8))
+        for running in (0, 1, 2, 3) * 8:
+            for _ in range(running):
+                router.request_started(rid)
+            request = router.request_started(rid, uncached_tokens=200)
+            clock.now += 0.02 + 0.0005 * 200 + 0.04 * running
+            router.first_byte(request)
+            router.request_finished(request, ok=True)
+            for _ in range(running):
+                router.request_finished(rid, ok=True)
+    for replica in router.stats()["replicas"].values():
+        assert replica["s_per_running"] == pytest.approx(0.04, rel=0.05)
+    busy = router.request_started("r0")
+    decision = router.route(prompt(1, 8, question=7), prompt_tokens=150)
+    assert decision.replica_id == "r1" and "r1 predicted" in decision.reason
+    router.request_finished(busy, ok=True)
     router.check_invariants()
 
 
@@ -144,22 +174,78 @@ def test_a_request_ended_by_replica_id_ends_the_oldest_handle() -> None:
     router.check_invariants()
 
 
-def test_prefill_cost_fit_is_robust_bounded_and_positive() -> None:
-    cost = PrefillCost(0.001)
-    cost.observe(MIN_TOKENS - 1, 10.0)  # too few tokens to say anything
-    assert cost.samples == 0 and cost.s_per_token == 0.001
-    cost.observe(1000, 2.0)  # the first sample replaces the default
-    assert cost.s_per_token == pytest.approx(0.002)
-    cost.observe(1000, 1000.0)  # an outlier (a stalled connection) moves it a little
-    assert cost.s_per_token < 0.002 * 1.4
-    for _ in range(1000):
-        cost.observe(100_000, 1e9)
-    assert cost.s_per_token == pytest.approx(0.001 * BOUND)
-    for _ in range(1000):
-        cost.observe(100_000, 1e-9)
-    assert cost.s_per_token == pytest.approx(0.001 / BOUND) and cost.s_per_token > 0
-    cost.observe(1000, -1.0)  # a clock that went backwards: ignored
-    cost.check_invariants()
+def test_the_fit_recovers_fixed_per_token_and_per_running_terms() -> None:
+    fit = TtftFit(0.00015, 0.02)
+    for i in range(300):
+        tokens, running = (i * 397) % 3000, (i * 7) % 9
+        fit.observe(tokens, running, 0.05 + 0.001 * tokens + 0.03 * running)
+        fit.check_invariants()
+    assert fit.fixed_s == pytest.approx(0.05, rel=0.05)
+    assert fit.s_per_token == pytest.approx(0.001, rel=0.02)
+    assert fit.s_per_running == pytest.approx(0.03, rel=0.05)
+
+
+def test_the_fit_is_robust_bounded_and_never_negative() -> None:
+    default = 0.001
+    fit = TtftFit(default, 0.01)
+    assert (fit.fixed_s, fit.s_per_token, fit.s_per_running, fit.samples) == (0, 0.001, 0.01, 0)
+    fit.observe(1000, 0, -1.0)  # a clock that went backwards: ignored
+    fit.observe(1000, 0, 0.0)
+    assert fit.samples == 0
+    for i in range(50):
+        fit.observe(500 + 100 * (i % 5), 0, (500 + 100 * (i % 5)) * 0.002)
+    before = fit.predict(700, 0)
+    fit.observe(700, 0, 1000.0)  # an outlier (a stalled connection) moves it a little
+    assert fit.predict(700, 0) < before * 1.2
+    # Requests in flight that seem to make the first token sooner: the term stays at 0,
+    # never negative.
+    for i in range(200):
+        fit.observe(1000, i % 6, 2.0 - 0.3 * (i % 6))
+        fit.check_invariants()
+    assert fit.s_per_running == 0.0 and fit.fixed_s >= 0.0
+    for _ in range(2000):
+        fit.observe(100_000, 50, 1e9)
+    assert fit.s_per_token == pytest.approx(default * BOUND)
+    assert fit.fixed_s <= BOUND * TOKEN_UNIT * default
+    for _ in range(2000):
+        fit.observe(100_000, 0, 1e-9)
+    assert fit.s_per_token == pytest.approx(default / BOUND) and fit.s_per_token > 0
+    fit.check_invariants()
+
+
+def test_a_replicas_speed_is_a_bounded_clipped_running_ratio() -> None:
+    speed = ReplicaSpeed()
+    speed.observe(-1.0, 0.1)  # nonsense samples: ignored
+    speed.observe(0.1, 0.0)
+    assert (speed.factor, speed.samples) == (1.0, 0)
+    speed.observe(1000.0, 0.1)  # an outlier counts as CLIP x the current factor at most
+    assert speed.factor == pytest.approx(1.0 + 0.1 * (CLIP - 1.0))
+    for _ in range(500):
+        speed.observe(0.2, 0.1)
+    assert speed.factor == pytest.approx(2.0)
+    for _ in range(5000):
+        speed.observe(1e9, 1e-9)
+        speed.check_invariants()
+    assert speed.factor == BOUND
+    for _ in range(5000):
+        speed.observe(1e-9, 1e9)
+    assert speed.factor == 1 / BOUND > 0
+
+
+def test_a_replica_not_timed_yet_takes_the_clusters_fit() -> None:
+    router, clock = make(3, decode_tokens_per_request=0)
+    for tokens in (200, 800, 1600) * 20:
+        request = router.request_started("r0", uncached_tokens=tokens)
+        clock.now += 0.1 + 0.002 * tokens
+        router.first_byte(request)
+        router.request_finished(request, ok=True)
+    stats = router.stats()
+    assert stats["cluster_fixed_s"] == pytest.approx(0.1, rel=0.2)
+    assert stats["replicas"]["r1"]["cost_samples"] == 0
+    # r1 and r2 are predicted with the cluster's fit (the reason says so in ms).
+    decision = router.route(prompt(5, 10), prompt_tokens=160)
+    expected = router.cluster_cost.predict(160, 0) * 1000
+    assert f"predicted {expected:,.0f} ms" in decision.reason
 
 
 OPS = st.lists(
