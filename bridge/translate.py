@@ -240,6 +240,11 @@ class KeyTranslator:
                     if tier_of(key) == announced:
                         changes.stored.append((key, announced))
             return
+        producers = published.producers
+        if new_tier is None and old_tier is not None and all(producers.get(k) == 1 for k in keys):
+            published.drop(keys, old_tier)  # the usual case: the block's keys leave
+            changes.removed.extend(keys)
+            return
         was = [tier_of(k) for k in keys]
         if old_tier is None:
             assert new_tier is not None
