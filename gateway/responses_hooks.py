@@ -27,11 +27,13 @@ ENDING = frozenset({b"response.completed", b"response.incomplete", b"response.fa
 
 
 class ResponsesScanner:
-    """Watches a Responses event stream: its id, first output, end and cached tokens."""
+    """Watches a Responses event stream: its id, first output, end and (``count_cached``)
+    cached tokens."""
 
-    __slots__ = ("cached_tokens", "done", "output", "response_id", "tail")
+    __slots__ = ("cached_tokens", "count_cached", "done", "output", "response_id", "tail")
 
-    def __init__(self) -> None:
+    def __init__(self, count_cached: bool = True) -> None:
+        self.count_cached = count_cached
         self.tail = b""
         self.done = False
         self.output = False
@@ -56,7 +58,7 @@ class ResponsesScanner:
             if isinstance(response, dict):
                 if self.response_id is None and isinstance(response.get("id"), str):
                     self.response_id = response["id"]
-                cached = cached_tokens_of(response)
+                cached = cached_tokens_of(response) if self.count_cached else None
                 if cached is not None:
                     self.cached_tokens = cached
         if kind in ENDING:
@@ -110,7 +112,7 @@ class ResponsesHooks:
     recorded: bool = False
 
     def scanner(self) -> StreamScanner:
-        return ResponsesScanner()
+        return ResponsesScanner(self.count_cached)
 
     def cached_tokens(self, body: bytes) -> int | None:
         return cached_tokens_of(_object(body)) if self.count_cached else None

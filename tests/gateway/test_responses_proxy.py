@@ -157,6 +157,13 @@ def test_a_streamed_id_is_recorded_before_the_client_sees_it() -> None:
                 "response.created", "response.output_text.delta", "response.completed"
             ]  # fmt: skip
             assert metric(state, "prefixgate_gateway_reported_cached_tokens_total") == 24
+            async with await client(url).responses.create(
+                model="m", input="more", previous_response_id="resp_s", stream=True
+            ) as events:
+                assert [item.type async for item in events][-1] == "response.completed"
+            assert json.loads(replica.posts[-1].body)["previous_response_id"] == "resp_s"
+            # a pinned turn's cached tokens have no prediction to be compared with
+            assert metric(state, "prefixgate_gateway_reported_cached_tokens_total") == 24
             assert in_flight(state) == 0
         replica.close()
 
