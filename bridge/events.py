@@ -18,9 +18,13 @@ Tags and fields (declaration order):
     BlockRemoved     block_hashes, medium, group_idx
     AllBlocksCleared (none)
 
-A block hash is an int or bytes (engine versions differ); only its identity matters here.
-Anything else in a batch (unknown tags, malformed events) is skipped and counted, never
-fatal: a newer engine must not stop the bridge.
+A block hash is an int or bytes (engine versions differ); only its identity matters
+here, and a block keeps it in every ``medium`` (a string naming where the copy is: see
+bridge/media.py). A ``BlockStored`` without token ids is a bare announcement of blocks
+stored before (vLLM's offloading connectors send those, with block_size 0). Anything else
+in a batch (unknown tags, malformed events: token ids outside uint32, a medium that is no
+string) is skipped and counted, never fatal: a newer or broken engine must not stop the
+bridge.
 """
 
 from __future__ import annotations
