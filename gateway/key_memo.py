@@ -53,7 +53,9 @@ class KeyMemo:
         if n_full == 0 or self.max_bytes <= 0 or self.max_entries <= 0:
             return space.short_keys(token_ids)
         root = space.root
-        data = encode_tokens(token_ids[: n_full * space.block_size])
+        data = encode_tokens(token_ids)  # cut to the full blocks: cheaper than the list
+        if len(data) > n_full * width:
+            data = data[: n_full * width]
         slot = (root, data[:width])
         with self._lock:
             seen = self._entries.get(slot)
@@ -64,7 +66,7 @@ class KeyMemo:
             return list(seen.short)
         full = seen.full[:same] if seen is not None else []
         short = seen.short[:same] if seen is not None else []
-        parent = full[-1] if full else root
+        parent = full[-1] if full else root  # the chain resumes after the shared blocks
         for i in range(same, n_full):
             parent = chain_key(parent, data[i * width : (i + 1) * width])
             full.append(parent)
