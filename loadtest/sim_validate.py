@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[validate] {verdict}", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"args": vars(args) | {"out": str(args.out)}, "blocks": blocks, "params": params}
+        flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        record = {"args": flags, "blocks": blocks, "params": params}
         record |= {"simulator": sim, "live": got, "verdict": verdict}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0 if verdict["hit_ok"] and verdict["ttft_ok"] else 1
