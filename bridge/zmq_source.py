@@ -43,6 +43,18 @@ def binds(endpoint: str) -> bool:
     )
 
 
+def _live_message(frames: list[bytes]) -> Message | None:
+    """``[topic, seq, payload]`` with a seq an engine can send (from 0 up; the negative
+    ones a signed decoding gives are never sent, -1 only ends a replay)."""
+    if len(frames) != 3:
+        return None
+    try:
+        seq = decode_seq(frames[1])
+    except BadPayload:
+        return None
+    return Message(seq, frames[2]) if seq >= 0 else None
+
+
 class EngineEvents:
     def __init__(
         self,
@@ -83,14 +95,9 @@ class EngineEvents:
         while True:
             if not await self._sub.poll(int(timeout_s * 1000)):
                 return None
-            frames = await self._sub.recv_multipart()
-            if len(frames) == 3:
-                try:
-                    seq = decode_seq(frames[1])
-                except BadPayload:
-                    seq = -1
-                if seq >= 0:  # engines count from 0; -1 only ends a replay
-                    return Message(seq, frames[2])
+            message = _live_message(await self._sub.recv_multipart())
+            if message is not None:
+                return message
             self.malformed += 1
 
     async def replay(self, start_seq: int, timeout_s: float) -> list[Message] | None:

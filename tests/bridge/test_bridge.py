@@ -320,11 +320,16 @@ async def test_hostile_batches_are_skipped_or_reset_with_one_line_each(
 async def test_a_sequence_jump_beyond_any_replay_buffer_resets_at_once(
     cluster_factory: Any,
 ) -> None:
-    """A hostile or corrupt seq far ahead is not asked for (nor enumerated)."""
+    """A hostile or corrupt seq: a negative one is malformed, one far ahead is not asked
+    for (nor enumerated)."""
     c = await cluster_factory(16)
     a = tokens(64, 24)
     c.engine.store(a)
     await c.wait_matched(keys(a))
+    c.engine.seq = 2**64 - 3  # a seq no engine sends (negative as vLLM's signed int64)
+    c.engine.store(tokens(64, 26))
+    await wait_until_async(lambda: c.bridge.source.malformed == 1, 10, "malformed counted")
+    assert c.follow.resets == 0 and c.matched(keys(a)) == 4
     c.engine.seq = 2**62  # the next batch claims 2**62 batches were missed
     b = tokens(64, 25)
     c.engine.store(b)
