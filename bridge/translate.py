@@ -37,8 +37,8 @@ A bare store (no token ids, as vLLM's offloading connectors send by default) add
 copy to a block already described, and is counted and skipped for one never seen. A key
 whose tokens span several engine pages (SGLang's 1-token pages) takes the tier of the
 page that completed it: radix caches evict leaf first and load back root first, so that
-page is the first to leave the device and the last to return, and the key is never
-priced as on the device while part of it is not.
+page is the first to leave the device and the last to return, and in that order the key
+is not priced as on the device while part of it has left.
 """
 
 from __future__ import annotations
