@@ -7,6 +7,8 @@
 #   bash benchmarks/headline.sh            # everything (about 7 min on 2 cores)
 #   SKIP_LIVE=1 bash benchmarks/headline.sh  # simulation and report only (about a minute)
 #   SIM_LIVE=1 bash benchmarks/headline.sh   # also live on 4 and 16 sim replicas per policy
+#                                            # (benchmarks/sim_live.sh; sglang-router rows
+#                                            # with PREFIXGATE_SGLANG_PYTHON set)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -28,25 +30,10 @@ if [ -z "${SKIP_LIVE:-}" ]; then
 fi
 
 if [ -n "${SIM_LIVE:-}" ]; then
-    # Live on simulated-engine replicas (`--model sim`, issue 18), one GPU each in effect:
-    # the A100 profile with every cost constant x10, so that device time outweighs this
-    # machine's HTTP and tokenizing time (docs/BENCHMARKS.md, "Simulated engine").
-    eval "$($BIN/python - <<'PY'
-from prefixgate.envflags import env_var
-from replica.sim.profile import COST_FIELDS
-from replica.sim.profiles import load_profile
-
-profile = load_profile("llama3.1-8b-a100")
-print(f"export {env_var('sim-profile')}={profile.name}")
-for name in COST_FIELDS:
-    print(f"export {env_var('sim-' + name.replace('_', '-'))}={getattr(profile, name) * 10!r}")
-PY
-)"
-    for n in 4 16; do
-        $BIN/prefixgate bench live --replicas "$n" --model sim --concurrency $((n < 8 ? 8 : n)) \
-            --policies cache_aware,round_robin,consistent_hash,least_loaded \
-            --workloads agents,multi_turn_chat --repeats 2 --out-dir "$OUT/sim-$n"
-    done
+    # Live on simulated-engine replicas (`--model sim`, issue 18) at 4 and 16 replicas, with
+    # sglang-router's cache_aware and round_robin as rows where PREFIXGATE_SGLANG_PYTHON
+    # names a Python that has it (the whole run in a loopback-only network namespace).
+    bash benchmarks/sim_live.sh "$OUT"
 fi
 
 inputs=("$OUT/simulate.json")

@@ -240,12 +240,13 @@ def finished_requests(metrics_text: str) -> float:
 
 def counts_from_stats(cell: dict[str, Any]) -> None:
     """For a cell whose responses named no replica: requests per replica (and max/mean)
-    from what the replicas say they served (``SERVED`` in ``cell["cache_stats"]``)."""
+    from what the replicas say they served (``SERVED`` in ``cell["cache_stats"]``); like
+    the counts from response headers, only replicas that served appear."""
     summary = cell["summary"]
     stats = cell["cache_stats"]
     if summary.get("requests_per_replica") or not all(SERVED in s for s in stats.values()):
         return
-    counts = {name: int(s[SERVED]) for name, s in sorted(stats.items())}
+    counts = {name: int(s[SERVED]) for name, s in sorted(stats.items()) if s[SERVED] > 0}
     summary["requests_per_replica"] = counts
     summary["load_max_over_mean"] = load_balance(counts)
 

@@ -141,7 +141,7 @@ def test_counts_come_from_what_replicas_served() -> None:
     from loadtest.pooling import pool_cells
 
     cells = [
-        _cell("sglang:cache_aware", 0, 3.0, {"r0": 3, "r1": 1}),
+        _cell("sglang:cache_aware", 0, 3.0, {"r0": 3, "r1": 1, "r2": 0}),
         _cell("sglang:cache_aware", 1, 2.0, {"r0": 2, "r1": 2}),
     ]
     for cell in cells:
