@@ -40,3 +40,15 @@ def test_connection_limits_reach_the_config_and_bad_ones_are_refused(
     for flag, value in (("--max-connections-per-replica", "0"), ("--pool-timeout-s", "0")):
         with pytest.raises(ValueError, match=flag.removeprefix("--").replace("-", "_")):
             config_from_args(build_parser().parse_args([flag, value]))
+
+
+def test_the_key_memo_size_reaches_the_config_and_bad_ones_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert config_from_args(build_parser().parse_args([])).key_memo_bytes == 64 << 20
+    monkeypatch.setenv("PREFIXGATE_KEY_MEMO_MB", "0.5")
+    assert config_from_args(build_parser().parse_args([])).key_memo_bytes == 1 << 19
+    assert config_from_args(build_parser().parse_args(["--key-memo-mb", "0"])).key_memo_bytes == 0
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(ValueError, match="--key-memo-mb"):
+            config_from_args(build_parser().parse_args(["--key-memo-mb", bad]))
