@@ -13,7 +13,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--model", default="tiny-random")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated")
-    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma-separated kinds")
+    p.add_argument(
+        "--workloads",
+        default=DEFAULT_WORKLOADS,
+        help="comma-separated: kinds of loadtest.workloads, or skewed_docs (single-turn "
+        "documents sent without conversation ids)",
+    )
     p.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     p.add_argument("--concurrency", type=int, default=8, help="concurrent sessions")
     p.add_argument(
