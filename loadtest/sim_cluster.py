@@ -47,15 +47,24 @@ class SimCluster:
         prompts: Sequence[Sequence[list[int]]] | None = None,
         conversation_keys: bool = True,
         host_blocks_per_replica: int = 0,
+        replica_ids: Sequence[str] | None = None,
     ) -> None:
+        """``replica_ids``: the replicas' names (default ``replica-<i>``). The router's
+        conversation ring hashes them, so a run that must place conversations as a live
+        cluster does uses the live replicas' ids."""
+        if replica_ids is not None and len(replica_ids) != n_replicas:
+            raise ValueError(f"{len(replica_ids)} replica ids for {n_replicas} replicas")
         self.now = 0.0
         self.conversation_keys = conversation_keys
         self.cost, self.think_s = cost, think_s
         self.router = Router(config, policy, clock=lambda: self.now, seed=seed)
         self.root = root_key(MODEL_ID, BLOCK_SIZE)
         self.replicas: list[SimReplica] = []
+        ids = list(replica_ids) if replica_ids is not None else None
+        self.index_of: dict[str, int] = {}
         for i in range(n_replicas):
-            rid = f"replica-{i}"
+            rid = ids[i] if ids is not None else f"replica-{i}"
+            self.index_of[rid] = i
             self.router.add_replica(rid, f"sim://{rid}", MODEL_ID, BLOCK_SIZE, static=True)
             cache = PrefixCache(
                 blocks_per_replica,
@@ -133,7 +142,7 @@ class SimCluster:
             conversation_key=conv.session.session_id if self.conversation_keys else None,
             prompt_tokens=len(conv.tokens),
         )
-        index = int(decision.replica_id.rsplit("-", 1)[1])
+        index = self.index_of[decision.replica_id]
         request = SimRequest(conv, conv.tokens, reply, self.now, index)
         request.handle = self.router.request_started(
             decision.replica_id, decision.uncached_tokens, decision.queued_tokens

@@ -11,7 +11,10 @@ simulator's compute model is ``ProfileCost``: the profile's step-time function i
 shape ``sim_cost.CostModel`` has (a prompt's prefill in chunks of the engine's step
 budget; a decode step of ``batch`` sequences at the workload's mean context; a swap-in
 from the host tier at the profile's host bandwidth). ``--host-ratio R`` gives every
-replica, live and simulated, a host KV tier of R × its device pool.
+replica, live and simulated, a host KV tier of R × its device pool. The live run goes
+first, and the simulator names its replicas as the live ones are named (host:port):
+the router's conversation ring hashes those names, and with tight pools where each
+conversation lands moves the hit rate by as much as 0.15.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from loadtest.sim_client import BLOCK_SIZE
 from loadtest.sim_cost import CostModel
@@ -67,7 +71,11 @@ def host_blocks(args: argparse.Namespace, blocks: int) -> int:
 
 
 def simulated(
-    sessions: list[Any], prompts: list[list[list[int]]], args: argparse.Namespace, blocks: int
+    sessions: list[Any],
+    prompts: list[list[list[int]]],
+    args: argparse.Namespace,
+    blocks: int,
+    replica_ids: list[str] | None = None,
 ) -> dict[str, Any]:
     from loadtest.simulate import simulate
 
@@ -85,6 +93,7 @@ def simulated(
         concurrency=args.concurrency,
         prompts=prompts,
         host_blocks_per_replica=host_blocks(args, blocks),
+        replica_ids=replica_ids,
     )
     return {
         "hit_rate": result.hit_rate,
@@ -122,6 +131,8 @@ def live(
         wait_ready(cluster, 300)
         cluster.warm_up(MODEL)
         cluster.reset_prefix_cache()
+        # The ids the gateway's conversation ring hashes (host:port, in start order).
+        replica_ids = [urlsplit(url).netloc for url in cluster.replica_urls().values()]
         cpu_before = cluster.replica_cpu_seconds()
         tiers_before = tier_tokens(cluster.cache_stats())
         config = ReplayConfig(
@@ -144,6 +155,7 @@ def live(
     # re-matches of requests that waited for blocks, so only their ratio is used).
     out["host_hit_rate"] = summary["hit_rate"] * host / hit if hit else 0.0
     out["requests"] = len(result.requests)
+    out["replica_ids"] = replica_ids
     out["requests_per_replica"] = sorted(summary["requests_per_replica"].values())
     out["errors"] = summary.get("errors")
     if cpu_before is not None and cpu_after is not None:
@@ -189,8 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     sessions = generate(args.workload, seed=args.seed, **params)
     prompts = live_prompts(sessions, MODEL)
     blocks = size_cache(sessions, prompts, MODEL, args.fraction).num_blocks
-    sim = simulated(sessions, prompts, args, blocks)
-    print(f"[validate] simulator: {sim}", flush=True)
     started = time.monotonic()
     if args.run_dir is not None:
         got = live(sessions, args, blocks, args.run_dir)
@@ -199,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             got = live(sessions, args, blocks, Path(tmp) / "run")
     got["wall_s"] = round(time.monotonic() - started, 1)
     print(f"[validate] live sim replicas: {got}", flush=True)
+    # Under the live replicas' names: the conversation ring then places every session
+    # where the live gateway did (with tight pools, placement alone moves the hit rate).
+    sim = simulated(sessions, prompts, args, blocks, got["replica_ids"])
+    print(f"[validate] simulator: {sim}", flush=True)
     hit_gap = abs(got["hit_rate"] - sim["hit_rate"])
     # With --slowdown 0 the simulated device takes no time: the live TTFT is the host's.
     ttft_ratio = got["ttft_p50_s"] / sim["ttft_p50_s"] if sim["ttft_p50_s"] else float("inf")

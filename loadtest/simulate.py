@@ -86,13 +86,16 @@ def simulate(
     prompts: Sequence[Sequence[list[int]]] | None = None,
     conversation_keys: bool = True,
     host_blocks_per_replica: int = 0,
+    replica_ids: Sequence[str] | None = None,
 ) -> SimResult:
     """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``; open loop
     (each session at its arrival time), or closed loop with ``concurrency`` sessions at a
     time. ``prompts``: each session's turns as whole prompts of token ids (else built
     from the sessions' words). ``conversation_keys``: route with each session's id as
     its conversation key (False: as clients that send none). ``host_blocks_per_replica``:
-    a host KV tier of that many blocks per replica (0: none)."""
+    a host KV tier of that many blocks per replica (0: none). ``replica_ids``: the
+    replicas' names, which place conversations on the router's ring (default
+    ``replica-<i>``)."""
     sim = SimCluster(
         sessions,
         policy,
@@ -107,6 +110,7 @@ def simulate(
         prompts=prompts,
         conversation_keys=conversation_keys,
         host_blocks_per_replica=host_blocks_per_replica,
+        replica_ids=replica_ids,
     )
     sim.run()
     ttfts = sorted(sim.ttfts)
