@@ -49,7 +49,7 @@ MAX_GENERATIONS = 16
 FIELD_BITS = 24  # per replica slot in a node word: held bit + 23-bit generation label
 LABELS = 1 << (FIELD_BITS - 1)
 FIELD = (1 << FIELD_BITS) - 1
-MAX_WORDS = 4096  # interned words kept; past it the table starts over (module doc)
+MAX_WORDS = 4096  # interned words kept; past it the table starts over (``_write``)
 
 
 @dataclass(slots=True)
