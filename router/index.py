@@ -12,7 +12,7 @@ index, and a block costs its key, one node-map entry and 16 bytes per holding.
 
 * node = one dict entry ``short key (16 B) -> word``, an int packing per replica slot a
   ``FIELD_BITS``-wide field: a held bit and the label of the LRU generation the holding
-  is in (router/lru.py). Words are interned, so a million nodes share a few thousand
+  is in (router/lru.py). Words are interned, so a million nodes share a few hundred
   int objects. The held bit of slot ``s`` is ``1 << s * FIELD_BITS``; a "holder word"
   below is any int read that way;
 * LRU  = per replica a ``BlockLRU`` (router/lru.py): bytearray logs of raw keys per
@@ -192,12 +192,12 @@ class PrefixIndex:
         blocks = self._blocks_of(replica_id)
         hold, tentative = blocks.lru.hold, blocks.tentative
         for key in reversed(keys):  # deepest first: heads end up newest (module doc)
-            if hold(key):
+            if hold(key):  # new to the replica
                 if tentative_until is not None:
                     tentative[key] = tentative_until
-            elif tentative_until is None:  # an event confirms it
+            elif tentative_until is None:  # held already, and an event confirms it
                 tentative.pop(key, None)
-            # (a repeated optimistic insert keeps the first deadline)
+            # (held already, optimistic again: it keeps its first deadline)
         lru = blocks.lru
         while len(lru) > self.max_blocks_per_replica:
             key = lru.evict()
