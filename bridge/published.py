@@ -10,15 +10,42 @@ it has a copy there, else the host). So per key:
 
 and a key's tier is ``host`` when all its producers are on the host, ``device``
 otherwise. Counting the host side keeps an engine without a host tier at no cost.
-``parents`` mirrors the chain (short key → short parent) for snapshots.
+``parents`` mirrors the chain (short key → short parent) for snapshots. An engine block's
+tier comes from its ``Copies``: how many times it was announced in each tier, less its
+removals there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 from router.protocol import Medium, SnapshotBlock
+
+
+class Copies(NamedTuple):
+    """How many times the engine announced a block in each tier, less its removals there
+    (vLLM may hold duplicate device blocks of one hash, and re-announces offloaded ones
+    once per chunk that covers them; each leaves with its own removal)."""
+
+    device: int = 0
+    host: int = 0
+
+    @property
+    def tier(self) -> Medium | None:
+        """Where routing finds the block: the device when it has a copy there."""
+        return "device" if self.device else "host" if self.host else None
+
+    def plus(self, tier: Medium, n: int) -> Copies:
+        counts = (self.device + n, self.host) if tier == "device" else (self.device, self.host + n)
+        return _FEW_COPIES.get(counts) or Copies(*counts)
+
+
+# Shared instances for the usual counts, so a million blocks hold no tuple of their own.
+_FEW_COPIES = MappingProxyType({(d, h): Copies(d, h) for d in range(4) for h in range(4)})
+NO_COPIES = _FEW_COPIES[0, 0]
 
 
 @dataclass(slots=True)

@@ -45,12 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import NamedTuple
 
 from bridge.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, salt_of
 from bridge.media import MediumMap
-from bridge.published import PublishedKeys
+from bridge.published import NO_COPIES, Copies, PublishedKeys
 from router.protocol import (
     DEFAULT_BLOCK_SIZE,
     Medium,
@@ -71,29 +70,6 @@ class BlockState(NamedTuple):
     tail: tuple[int, ...]  # tokens after last_key, fewer than a block
     keys: tuple[bytes, ...]  # short keys this engine block completed
     parent: bytes | None  # short key before keys[0] (None: keys start at the root)
-
-
-class Copies(NamedTuple):
-    """How many times the engine announced a block in each tier, less its removals there
-    (vLLM may hold duplicate device blocks of one hash, and re-announces offloaded ones
-    once per chunk that covers them; each leaves with its own removal)."""
-
-    device: int = 0
-    host: int = 0
-
-    @property
-    def tier(self) -> Medium | None:
-        """Where routing finds the block: the device when it has a copy there."""
-        return "device" if self.device else "host" if self.host else None
-
-    def plus(self, tier: Medium, n: int) -> Copies:
-        counts = (self.device + n, self.host) if tier == "device" else (self.device, self.host + n)
-        return _FEW_COPIES.get(counts) or Copies(*counts)
-
-
-# Shared instances for the usual counts, so a million blocks hold no tuple of their own.
-_FEW_COPIES = MappingProxyType({(d, h): Copies(d, h) for d in range(4) for h in range(4)})
-NO_COPIES = _FEW_COPIES[0, 0]
 
 
 class Chain(NamedTuple):
