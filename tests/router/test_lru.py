@@ -244,3 +244,18 @@ def test_labels_in_use_stay_within_the_blocks_held() -> None:
         lru.check_invariants()  # includes: labels in use <= blocks held + 1
         assert len(lru._label_gen) > MAX_GENERATIONS or relabelled
         assert (lru.relabels > 0) == relabelled
+
+
+def test_the_interned_words_table_is_bounded_and_starts_over() -> None:
+    # gen_size 1: every block gets its own generation, hence its own label and word.
+    lru = BlockLRU(1)
+    blocks = [key(i) for i in range(MAX_WORDS + 500)]
+    for k in blocks:
+        lru.add(k)
+    assert len({lru.nodes[k] for k in blocks}) == len(blocks)  # distinct words
+    assert len(lru.words) <= MAX_WORDS  # the table started over once
+    lru.check_invariants()
+    for k in blocks[::2]:
+        lru.touch(k)
+    assert set(lru) == set(blocks) and len(lru.words) <= MAX_WORDS
+    lru.check_invariants()
