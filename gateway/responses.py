@@ -199,7 +199,7 @@ async def _create(
     ex.block_size = block_size
     hooks.conversation = scoped(tenant, conversation_key(body, headers))
     chat = parse_request(ChatCompletionRequest, chat_body(req, []))
-    prompt = await state.keys.keys(chat, req.model, block_size, salt or "")
+    prompt = await state.keys.keys(chat, req.model, block_size, salt or "", len(raw))
     return Forward(
         prompt.keys, prompt.prompt_tokens, hooks.conversation, req.model, PREFIX, raw, sent,
         req.stream, hooks=hooks,

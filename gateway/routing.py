@@ -9,6 +9,16 @@ computed over the prompt's UTF-8 bytes, four bytes to a pseudo-token, under a ro
 their own (``bytes:{model}``). They never match a replica's keys, but they are consistent
 within the gateway, and that is all routing needs where no replica publishes events: the
 router's optimistic inserts alone make requests that share a prefix share a replica.
+
+Where the work runs (``KeyBuilder.keys``): a prompt of up to ``inline_chars`` characters
+on the event loop. A longer chat, up to ``RENDER_INLINE_FACTOR`` times that, is rendered
+on the loop (a template costs in proportion to its text) and encoded there too when the
+piece cache (prefixgate/segments.py) already holds all but ``inline_chars`` characters
+of it, as it does for an agent resending its tools and system prompt; otherwise, and for
+anything longer, in a worker thread: BPE over text never seen costs far more per
+character and must not hold the loop. A chat's size is its request body's (a bound on
+the prompt text: the template adds a fixed amount, JSON escapes only shrink), so no
+field of any size is ever rendered or encoded on the loop as "small".
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from gateway.key_memo import KeyMemo
 from prefixgate.chat_input import ChatInput, chat_input, content_text
@@ -34,6 +44,21 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def encode_input(self, chat: ChatInput) -> list[int]: ...
+
+
+@runtime_checkable
+class PieceTokenizer(Tokenizer, Protocol):
+    """A tokenizer that can say what encoding a rendered chat would cost
+    (prefixgate.segments.SegmentCache)."""
+
+    def render(self, chat: ChatInput) -> str: ...
+
+    def encode_rendered(self, text: str) -> list[int]: ...
+
+    def uncached_chars(self, text: str) -> int: ...
+
+
+RENDER_INLINE_FACTOR = 4  # a chat up to 4 x inline_chars is rendered on the event loop
 
 
 class PromptKeys(NamedTuple):
@@ -118,13 +143,30 @@ class KeyBuilder:
         model: str,
         block_size: int,
         salt: str,
+        body_bytes: int | None = None,
     ) -> PromptKeys:
+        """The request's keys; ``body_bytes``: its body's size, where the caller has it
+        (the measure of a chat's size; see the module's docstring for where work runs)."""
         if model not in self._tokenizers:
             await self.preload(model)
         tokenizer = self._tokenizers[model]
         memo = self.memo
-        if _prompt_chars(request) <= self._inline_chars:
+        chat = request if isinstance(request, ChatCompletionRequest) else None
+        size = body_bytes if chat is not None and body_bytes is not None else _prompt_chars(request)
+        if size <= self._inline_chars:
             return prompt_keys(request, tokenizer, model, block_size, salt, memo)
+        if (
+            chat is not None
+            and size <= RENDER_INLINE_FACTOR * self._inline_chars
+            and isinstance(tokenizer, PieceTokenizer)
+        ):
+            text = tokenizer.render(chat_input(chat))
+            if tokenizer.uncached_chars(text) <= self._inline_chars:
+                ids = tokenizer.encode_rendered(text)
+            else:
+                ids = await asyncio.to_thread(tokenizer.encode_rendered, text)
+            space = KeySpace(model, block_size, salt)
+            return PromptKeys(memo.short_keys(space, ids), len(ids), True)
         return await asyncio.to_thread(
             prompt_keys, request, tokenizer, model, block_size, salt, memo
         )
@@ -186,5 +228,10 @@ def bytes_as_tokens(data: bytes) -> Sequence[int]:
 def _prompt_chars(request: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(request, CompletionRequest):
         return len(request.single_prompt())
-    chars = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in request.messages)
-    return chars + 1024 * len(request.tools or ())
+    chars = 0
+    for m in request.messages:
+        if isinstance(m.content, str):
+            chars += len(m.content)
+        elif m.content is not None:
+            chars += sum(len(part.text or "") + 16 for part in m.content)
+    return chars + 1024 * len(request.tools or ())  # the body's size measures tools better

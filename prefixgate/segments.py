@@ -145,10 +145,26 @@ class SegmentCache:
         return self.encode_input(ChatInput.plain(messages, add_generation_prompt))
 
     def encode_input(self, chat: ChatInput) -> list[int]:
-        text = self.inner.render(chat)
+        return self.encode_rendered(self.inner.render(chat))
+
+    def render(self, chat: ChatInput) -> str:
+        """``encode_input``'s first half: the chat's prompt text."""
+        return self.inner.render(chat)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """``encode_input``'s second half: the ids of a rendered chat."""
         if self._splitter is None:
             return self._whole(text)
         return self._by_pieces(self._splitter, text)
+
+    def uncached_chars(self, text: str) -> int:
+        """How much of a rendered chat ``encode_rendered`` would run the tokenizer's BPE
+        over now (its pieces not in the cache): what encoding it costs, to decide where."""
+        if self._splitter is None:
+            return len(text)
+        pieces = [p for p in self._splitter.pieces(text) if isinstance(p, str)]
+        with self._lock:
+            return sum(len(p) for p in pieces if p not in self._cache)
 
     def _whole(self, text: str) -> list[int]:
         ids: list[int] = self.inner.tokenizer.encode(text, add_special_tokens=False).ids

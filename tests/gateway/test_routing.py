@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
+from typing import Any
 
 from gateway.routing import KeyBuilder, bytes_as_tokens, prompt_keys
 from prefixgate.chat_input import ChatInput
@@ -68,3 +71,48 @@ def test_tool_definitions_change_the_keys() -> None:
     for tok in (tokenizer, None):
         all_keys = [tuple(prompt_keys(r, tok, "m", 16, "").keys) for r in requests]
         assert len(set(all_keys)) == 3, tok
+
+
+def test_where_a_chats_keys_are_computed_and_that_they_are_the_same() -> None:
+    """Small: on the loop. Up to 4 x inline_chars: rendered on the loop, encoded there
+    once the piece cache holds it (an agent resending its tools), in a thread before. A
+    body larger than that, however few its fields (one huge tool), wholly in a thread."""
+    import threading
+
+    from prefixgate.segments import SegmentCache
+    from prefixgate.tokenizer import ChatTokenizer
+
+    template = (Path(__file__).parents[1] / "support" / "tool_template.jinja").read_text()
+    inner = ChatTokenizer.for_model("tiny-random")
+    inner.set_chat_template(template)
+    threads: list[str] = []
+
+    class Recording(SegmentCache):
+        def encode_rendered(self, text: str) -> list[int]:
+            threads.append("loop" if threading.current_thread() is loop_thread else "worker")
+            return SegmentCache.encode_rendered(self, text)
+
+    tokenizer = Recording(inner)
+    assert tokenizer.enabled
+    builder = KeyBuilder(loader=lambda name, chat_template: tokenizer, inline_chars=2000)
+    tool = {"type": "function", "function": {"name": "t", "description": "d " * 1000}}
+    huge = {"type": "function", "function": {"name": "h", "description": "x " * 8000}}
+
+    def chat(question: str, tools: list[Any]) -> tuple[ChatCompletionRequest, int]:
+        body = {"model": "m", "messages": [{"role": "user", "content": question}]}
+        body["tools"] = tools
+        return ChatCompletionRequest.model_validate(body), len(json.dumps(body))
+
+    async def main() -> None:
+        for question, tools, where in (
+            ("first", [tool], "worker"),  # 2-8k: rendered here, never seen: encoded there
+            ("again", [tool], "loop"),  # its pieces cached now
+            ("big", [huge], "worker"),  # one tool, 16k: all in a thread
+        ):
+            request, size = chat(question, tools)
+            got = await builder.keys(request, "m", 16, "s", size)
+            assert got == prompt_keys(request, inner, "m", 16, "s"), question
+            assert threads[-1] == where, (question, threads)
+
+    loop_thread = threading.current_thread()
+    asyncio.run(main())
