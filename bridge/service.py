@@ -202,8 +202,13 @@ class Bridge:
                 with contextlib.suppress(*REDIS_ERRORS):
                     await self.writer.heartbeat(load)
             now = time.monotonic()
-            # Refresh the snapshot while the events since it are still in the capped stream.
-            if self.writer.behind and now - last_snapshot >= self.config.snapshot_interval_s:
+            # Refresh the snapshot while the events since it are still in the capped stream
+            # (a burst can fill half of it between two periods).
+            behind = self.writer.behind
+            if behind and (
+                now - last_snapshot >= self.config.snapshot_interval_s
+                or behind >= self.writer.config.stream_maxlen // 2
+            ):
                 self.writer.need_snapshot = True
                 last_snapshot = now
             if self.writer.has_work:

@@ -335,3 +335,17 @@ async def test_a_sequence_jump_beyond_any_replay_buffer_resets_at_once(
     c.engine.store(b)
     await c.wait_matched(keys(b))
     assert not c.holds_any(keys(a)) and c.follow.replays_failed == 1
+
+
+async def test_a_burst_filling_half_the_stream_refreshes_the_snapshot(cluster_factory: Any) -> None:
+    c = await cluster_factory(16, snapshot_interval_s=3600.0)
+    writer = c.bridge.writer
+    assert writer is not None
+    await wait_until_async(lambda: not writer.has_work, 10, "the first snapshot written")
+    writer.config.stream_maxlen = 8  # a capped stream of 8 events: refresh at 4 behind
+    written = writer.stats.snapshots_written
+    for seed in range(30, 35):
+        c.engine.store(tokens(32, seed))
+    await wait_until_async(
+        lambda: writer.stats.snapshots_written > written, 10, "a snapshot before the period"
+    )
