@@ -324,8 +324,16 @@ class Publisher:
         pipe = self._redis.pipeline(transaction=False)
         pipe.sadd(REPLICAS_SET, c.replica_id)
         pipe.set(replica_info_key(c.replica_id), info.encode(), px=ttl_ms)
-        await pipe.execute()
+        pipe.exists(snapshot_key(c.replica_id))
+        *_, has_snapshot = await pipe.execute()
         self.stats.heartbeats += 1
+        if has_snapshot or self._first_write:
+            return
+        # Redis restarted empty and redis-py reconnected without an error to notice:
+        # a gateway starting now needs a snapshot to start from.
+        with self._lock:
+            self._need_snapshot = True
+        self._wake.set()
 
     def _mark_down(self, exc: BaseException) -> None:
         with self._lock:

@@ -235,6 +235,35 @@ def test_redis_outage_keeps_accepting_events_and_resyncs(
     _run(scenario)
 
 
+def test_snapshot_rewritten_when_redis_comes_back_empty_without_an_error(
+    redis_server: RedisServer,
+) -> None:
+    """A Redis emptied under a live connection (FLUSHALL stands for a restart that
+    redis-py reconnects to silently): an idle replica re-publishes its snapshot, so a
+    gateway starting afterwards still sees its blocks."""
+    client = redis.Redis.from_url(redis_server.url)
+    pub = Publisher(_config(redis_server.url, snapshot_interval_s=3600.0))
+    keys = [_key(i) for i in range(4)]
+
+    async def scenario() -> None:
+        await pub.start(ReplicaLoad)
+        _in_thread(lambda: pub.on_stored(None, keys))
+
+        def snapshot_blocks() -> int:
+            raw = client.get(snapshot_key(RID))
+            return -1 if raw is None else len(decode_snapshot(raw).blocks)  # type: ignore[arg-type]
+
+        await wait_until_async(lambda: snapshot_blocks() == 4)
+        written = pub.stats.snapshots_written
+        client.flushall()
+        await wait_until_async(lambda: snapshot_blocks() == 4, timeout_s=5)
+        assert pub.stats.snapshots_written == written + 1
+        assert pub.stats.outages == 0
+        await pub.stop()
+
+    _run(scenario)
+
+
 def test_start_without_redis_does_not_fail() -> None:
     pub = Publisher(_config("redis://127.0.0.1:1/0"))
 
