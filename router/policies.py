@@ -188,8 +188,8 @@ class CacheAware(Policy):
     compute and cache space; and each request in flight there counts
     ``decode_tokens_per_request`` prefill tokens (default 128), because this request's
     decode steps and theirs share the replica: joining a busy replica slows every reply
-    there, which its own first token does not show (both 0 and 1: the plain minimum
-    predicted TTFT).
+    there, which its own first token does not show (with weight 1 and 0 decode tokens
+    the choice is the plain minimum predicted TTFT).
     A long cached prefix wins until its replica's queue costs more than recomputing the
     prefix elsewhere; then the next request goes elsewhere, and
     that replica caches the prefix too (the router's optimistic insert makes it a match
