@@ -1,6 +1,7 @@
 """Agents: requests that carry real tool definitions, through the gateway.
 
     .venv/bin/python benchmarks/agents_bench.py overhead [--requests 400 --repeats 3]
+        [--no-baseline | --baseline-tree DIR]
     .venv/bin/python benchmarks/agents_bench.py routing [--agents 6 --sessions 3]
 
 ``overhead``: the gateway's added latency for a chat with 30 tool definitions (about 6k
@@ -9,8 +10,9 @@ direct vs through the gateway, which renders the tool-aware template
 (tests/support/tool_template.jinja) and tokenizes every request (``--tokenizer
 tiny-random``); the user's question changes on every request. A second gateway started
 with ``--key-memo-mb 0`` (no memory of recent prompts' block keys) is measured in the
-same run (``--no-baseline``: not); requests go to the targets in rotating order, so that
-other load on the machine falls on each alike.
+same run (``--no-baseline``: not; ``--baseline-tree DIR``: the gateway of another source
+tree instead, e.g. an older commit's); requests go to the targets in rotating order, so
+that other load on the machine falls on each alike.
 
 ``routing``: an agents workload on two tiny-random replicas (tests/support/scripted_replica.py:
 real forward passes and prefix caches, scripted tool calls) through one gateway with
@@ -91,10 +93,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(args: list[str], port: int, procs: list[subprocess.Popen[bytes]], log: Path) -> str:
+def start(
+    args: list[str],
+    port: int,
+    procs: list[subprocess.Popen[bytes]],
+    log: Path,
+    cwd: Path = ROOT,
+) -> str:
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     procs.append(proc)
@@ -103,7 +111,7 @@ def start(args: list[str], port: int, procs: list[subprocess.Popen[bytes]], log:
     return url
 
 
-def overhead(n: int, repeats: int, baseline: bool) -> None:
+def overhead(n: int, repeats: int, baseline: bool, baseline_tree: Path | None) -> None:
     """Direct, then through each gateway, one request after the other in rotating order
     (so that load on the machine falls on every target alike), ``repeats`` times."""
     import httpx
@@ -123,16 +131,19 @@ def overhead(n: int, repeats: int, baseline: bool) -> None:
             stub_args = ["-m", "tests.support.stub_backend", "--port", str(port)]
             stub = start([*stub_args, "--model", MODEL], port, procs, Path(tmp) / "stub.log")
             targets = {"direct (stub)": stub}
-            gateways: dict[str, list[str]] = {"gateway": []}
-            if baseline:  # the same gateway without the key memo (gateway/key_memo.py)
-                gateways = {"gateway, no key memo": ["--key-memo-mb", "0"], **gateways}
-            for name, extra in gateways.items():
+            # name -> (source tree, extra flags)
+            gateways: dict[str, tuple[Path, list[str]]] = {"gateway": (ROOT, [])}
+            if baseline_tree is not None:  # another checkout's gateway (git archive REV)
+                gateways = {f"gateway of {baseline_tree.name}": (baseline_tree, []), **gateways}
+            elif baseline:  # the same gateway without the key memo (gateway/key_memo.py)
+                gateways = {"gateway, no key memo": (ROOT, ["--key-memo-mb", "0"]), **gateways}
+            for name, (tree, extra) in gateways.items():
                 port = free_port()
                 targets[name] = start(
                     ["-m", "prefixgate", "gateway", "--port", str(port),
                      "--replica", targets["direct (stub)"], "--tokenizer", MODEL,
                      "--chat-template", str(TEMPLATE), "--log-level", "info", *extra],
-                    port, procs, Path(tmp) / f"gateway{len(targets)}.log",
+                    port, procs, Path(tmp) / f"gateway{len(targets)}.log", cwd=tree,
                 )  # fmt: skip
                 wait_http_ok(targets[name] + "/ready", timeout=60, procs=procs)
             names = list(targets)
@@ -295,12 +306,18 @@ def main() -> int:
     o.add_argument(
         "--no-baseline", action="store_true", help="skip the gateway without the key memo"
     )
+    o.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="measure this source tree's gateway (e.g. `git archive REV | tar -x -C DIR`) "
+        "instead of the one without the key memo",
+    )
     r = sub.add_parser("routing")
     r.add_argument("--agents", type=int, default=6)
     r.add_argument("--sessions", type=int, default=3)
     args = parser.parse_args()
     if args.what == "overhead":
-        overhead(args.requests, args.repeats, not args.no_baseline)
+        overhead(args.requests, args.repeats, not args.no_baseline, args.baseline_tree)
     else:
         routing(args.agents, args.sessions)
     return 0
