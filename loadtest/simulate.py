@@ -42,6 +42,7 @@ class SimResult:
     busy_s_per_replica: list[float]
     ttft_p50_s: float
     ttft_p99_s: float
+    ttft_mean_s: float
     total_time_s: float
     decisions: dict[str, int]
 
@@ -131,6 +132,7 @@ def simulate(
         busy_s_per_replica=[r.busy_s for r in sim.replicas],
         ttft_p50_s=_percentile(ttfts, 0.5),
         ttft_p99_s=_percentile(ttfts, 0.99),
+        ttft_mean_s=statistics.fmean(ttfts) if ttfts else 0.0,
         total_time_s=sim.now,
         decisions=dict(sim.router.stats()["decisions"]),
     )
