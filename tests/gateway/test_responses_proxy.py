@@ -291,3 +291,42 @@ def test_a_client_leaving_closes_the_upstream_connection(stream: bool) -> None:
         replica.close()
 
     run(main())
+
+
+def test_the_connection_limit_holds_for_responses_too() -> None:
+    """A replica whose connections are all held: a new response waits up to the pool
+    timeout, then gets 503 upstream_busy with Retry-After, unsent; so does a pinned turn
+    and a GET by id (they may go nowhere else)."""
+
+    async def hang_or_answer(request: Request, r: asyncio.StreamReader, w: Any) -> None:
+        if b"hold me" in request.body:
+            await r.read()  # holds its connection until the gateway drops it
+        else:
+            w.write(answer(200, json.dumps(response("resp_l")).encode()))
+
+    async def main() -> None:
+        replica = await Replica(hang_or_answer).start()
+        settings = {"max_connections_per_replica": 1, "pool_timeout_s": 0.3}
+        async with running_gateway([replica], **settings) as (url, state):
+            c = client(url)
+            assert (await c.responses.create(model="m", input="x")).id == "resp_l"
+            held = asyncio.create_task(c.responses.create(model="m", input="hold me"))
+            await wait_until_async(lambda: len(replica.posts) == 2, what="a request held")
+            for attempt in (
+                c.responses.create(model="m", input="y"),
+                c.responses.create(model="m", input="z", previous_response_id="resp_l"),
+                c.responses.retrieve("resp_l"),
+            ):
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await attempt
+                assert caught.value.status_code == 503
+                assert caught.value.response.headers["retry-after"] == "1"
+                assert caught.value.code == "upstream_busy"
+            assert len(replica.posts) == 2  # none of them was sent
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+            await wait_until_async(lambda: in_flight(state) == 0, what="in flight drained")
+            assert state.router.replicas[replica.replica_id].breaker.consecutive_failures == 0
+        replica.close()
+
+    run(main())
