@@ -40,7 +40,7 @@ import json
 import logging
 import os
 import time
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 from starlette.types import Receive, Scope, Send
 
@@ -153,7 +153,7 @@ async def _request(
         path=upstream_path + (f"?{query}" if query else ""),
         body=b"",
         headers=forward_headers(headers, ex.request_id, state.auth.open),
-        stream=False,
+        stream=parse_qs(query).get("stream") == ["true"],  # GET ?stream=true: events
         method=method,
         pinned=_pinned(state, owner),
         hooks=hooks,

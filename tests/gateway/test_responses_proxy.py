@@ -203,6 +203,10 @@ def test_by_id_requests_reach_the_owner_with_their_method_and_query() -> None:
         elif request.path.endswith("/cancel"):
             body = {"error": {"message": "only background responses", "type": "x"}}
             w.write(answer(400, json.dumps(body).encode()))
+        elif "stream=true" in request.path:  # a stored response replayed as events
+            w.write(events_head() + event("response.created", response=response("resp_q")))
+            w.write(event("response.completed", response=response("resp_q", text="again")))
+            w.write(b"0\r\n\r\n")
         else:  # GET and DELETE
             w.write(answer(200, json.dumps(response("resp_q", text=request.method)).encode()))
 
@@ -214,12 +218,16 @@ def test_by_id_requests_reach_the_owner_with_their_method_and_query() -> None:
                 pass  # round robin: the next one comes from the owner
             got = await c.responses.retrieve("resp_q", include=["message.output_text.logprobs"])
             assert got.output_text == "GET"
+            replayed = [e async for e in await c.responses.retrieve("resp_q", stream=True)]
+            assert [e.type for e in replayed] == ["response.created", "response.completed"]
+            assert replica.posts[-1].path == "/v1/responses/resp_q?stream=true"
             with pytest.raises(openai.BadRequestError, match="only background"):
                 await c.responses.cancel("resp_q")
             await c.responses.delete("resp_q")
-            requests = [(r.method, r.path) for r in replica.posts[-3:]]
+            requests = [(r.method, r.path) for r in replica.posts[-4:]]
             assert requests == [
                 ("GET", "/v1/responses/resp_q?include%5B%5D=message.output_text.logprobs"),
+                ("GET", "/v1/responses/resp_q?stream=true"),
                 ("POST", "/v1/responses/resp_q/cancel"),
                 ("DELETE", "/v1/responses/resp_q"),
             ]
