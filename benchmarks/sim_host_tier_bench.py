@@ -19,8 +19,9 @@ device and host by the replicas' own counters (``hit_tokens``, ``host_hit_tokens
 p50/p99, total time, blocks moved each way, and the replicas' CPU seconds.
 
 The cluster simulator (``loadtest.simulate``, same prompts, pools, slowed profile and
-closed loop) runs every cell first: ``simulated`` in the results, what the live figures
-should come near; ``--simulated-only`` stops there.
+closed loop, each cell's replicas named as its cluster's) runs every cell after the live
+run: ``simulated`` in the results, what the live figures should come near;
+``--simulated-only`` runs only the simulator (replicas named ``replica-<i>``).
 
 Workloads: ``agents`` (the live comparison's agent sessions, conversation keys sent) and
 ``docs`` (``loadtest.skewed_docs``: single-turn document questions, Zipf popularity, no
@@ -42,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from loadtest.cache_sizing import live_prompts, size_cache
 from loadtest.cluster import Cluster, wait_ready
@@ -179,9 +181,12 @@ def simulated(
     blocks: int,
     cells: list[Cell],
     host_blocks: int,
+    names: dict[Cell, list[str]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The cluster simulator (``loadtest.simulate``) on the same prompts, pools, profile
-    and closed loop: what the live cells should come near (issue 18's validation)."""
+    and closed loop: what the live cells should come near (issue 18's validation).
+    ``names``: each cell's live replica ids, which the router's conversation ring hashes
+    (default ``replica-<i>``)."""
     from loadtest.sim_validate import ProfileCost
     from loadtest.simulate import simulate
 
@@ -203,6 +208,7 @@ def simulated(
             prompts=prompts,
             conversation_keys=keys,
             host_blocks_per_replica=host_blocks if mb else 0,
+            replica_ids=names[(policy, mb)] if names is not None else None,
         )
         out[f"{policy}-host{mb}"] = {
             "hit_rate": r.hit_rate,
@@ -215,9 +221,11 @@ def simulated(
 
 def run_live(
     args: argparse.Namespace, sessions: list[Session], keys: bool, blocks: int, cells: list[Cell]
-) -> dict[Cell, list[dict[str, Any]]]:
-    """Every cell's repeats, on one cluster per cell, all started at once."""
+) -> tuple[dict[Cell, list[dict[str, Any]]], dict[Cell, list[str]]]:
+    """Every cell's repeats, on one cluster per cell, all started at once; and each
+    cluster's replica ids (host:port, in start order)."""
     clusters: dict[Cell, Cluster] = {}
+    names: dict[Cell, list[str]] = {}
     results: dict[Cell, list[dict[str, Any]]] = {cell: [] for cell in cells}
     started = time.monotonic()
     try:
@@ -228,6 +236,8 @@ def run_live(
             wait_ready(cluster, 300)
             cluster.warm_up("sim")
         print(f"[tier] {len(clusters)} clusters ready after {time.monotonic() - started:.0f} s")
+        for cell, cluster in clusters.items():
+            names[cell] = [urlsplit(url).netloc for url in cluster.replica_urls().values()]
         for repeat in range(args.repeats):
             order = cells[repeat % len(cells) :] + cells[: repeat % len(cells)]
             for cell in order:
@@ -244,7 +254,7 @@ def run_live(
     finally:
         for cluster in clusters.values():
             cluster.stop()
-    return results
+    return results, names
 
 
 def main() -> int:
@@ -277,9 +287,6 @@ def main() -> int:
     host_blocks = host_mb * MIB // block_bytes
     print(f"[tier] {args.workload}: {len(sessions)} sessions; {sizing}; host {host_mb} MiB")
     cells = [(pol, mb) for pol in args.policies.split(",") for mb in (0, host_mb)]
-    sim = simulated(args, sessions, prompts, keys, blocks, cells, host_blocks)
-    for name, row in sim.items():
-        print(f"[tier] simulated {name}: {row}")
     data: dict[str, Any] = {
         "workload": args.workload,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -291,16 +298,17 @@ def main() -> int:
         },
         "started_at": started_at,
         "load_average_start": load_start,
-        "simulated": sim,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.simulated_only:
+        data["simulated"] = simulated(args, sessions, prompts, keys, blocks, cells, host_blocks)
         path = args.out_dir / f"{args.tag or args.workload}-simulated.json"
         path.write_text(json.dumps(data, indent=1) + "\n")
         print(f"[tier] {path}")
         return 0
-    results = run_live(args, sessions, keys, blocks, cells)
+    results, names = run_live(args, sessions, keys, blocks, cells)
     data["load_average_end"] = os.getloadavg()
+    data["simulated"] = simulated(args, sessions, prompts, keys, blocks, cells, host_blocks, names)
     data["elapsed_s"] = time.monotonic() - started
     data["cells"] = [
         {"policy": pol, "host_mb": mb, **pooled(results[(pol, mb)]), "repeats": results[(pol, mb)]}
@@ -315,6 +323,8 @@ def main() -> int:
             f"(device {cell['device_hit_rate']:.3f} + host {cell['host_hit_rate']:.3f})  "
             f"TTFT p50 {cell['ttft_p50_ms']:.0f} ms  total {cell['total_time_s']:.1f} s"
         )
+    for name, row in data["simulated"].items():
+        print(f"  simulated {name}: {row}")
     return 0
 
 
