@@ -14,6 +14,14 @@ that hold most of it. GC pauses: the longest full collection before and after th
 is built (``gc.callbacks`` timing each collection, in wall time and in this thread's
 CPU time, which leaves out the time another process held the core; the difference is
 the index's share), and every collection during the timed loop.
+
+``--leave-one-behind ROUNDS``: instead, one replica at the default cap (10⁶ blocks,
+so 125k-block LRU generations) uses its working set of one generation again every
+round, all but one block, which a new block replaces. The block left behind stays
+held alone among its generation's log entries, and no cap eviction ever reads them.
+Reports the LRU's log bytes per held block and the longest ``insert`` call (wall and
+thread CPU) per 5 rounds, i.e. the longest pause the index's bookkeeping adds (round 0
+builds the index: the node map grows).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from router.index import PrefixIndex
 from router.router import Router
 
 CHAIN = 128
@@ -39,8 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=5_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-keys", action="store_true", help="pass 32-byte keys")
+    parser.add_argument("--leave-one-behind", type=int, metavar="ROUNDS", default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
+    if args.leave_one_behind:
+        leave_one_behind(args.leave_one_behind, rng)
+        return
 
     router = Router(seed=args.seed)
     replica_ids = [f"replica-{i}" for i in range(args.replicas)]
@@ -152,6 +165,32 @@ def main(argv: list[str] | None = None) -> None:
         f" longest {worst * 1000:.2f} ms (CPU {worst_cpu * 1000:.2f} ms)"
     )
     print(f"decisions: {router.stats()['decisions']}")
+
+
+def leave_one_behind(rounds: int, rng: random.Random) -> None:
+    index = PrefixIndex()  # the default cap: 10⁶ blocks, generations of 125k
+    gen_size = index.max_blocks_per_replica // 8
+    chains = [[rng.randbytes(16) for _ in range(CHAIN)] for _ in range(gen_size // CHAIN + 1)]
+    calls: list[tuple[float, float]] = []  # (wall s, CPU s) per insert call
+    print(f"working set {len(chains) * CHAIN:,} blocks, generations of {gen_size:,}")
+    for r in range(rounds + 1):
+        if r:  # the deepest block of one chain is left behind: a new one replaces it
+            chains[r % len(chains)][-1] = rng.randbytes(16)
+        for chain in chains:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            index.insert("r0", chain)
+            calls.append((time.perf_counter() - t0, time.thread_time() - c0))
+        lru = index._replicas["r0"].lru
+        if r % 5 == 0 or r == rounds:
+            held = len(lru)
+            wall, cpu = max(w for w, _c in calls), max(c for _w, c in calls)
+            print(
+                f"round {r:3}: {held:,} held, logs {lru.log_bytes / 2**20:6.1f} MiB"
+                f" = {lru.log_bytes / held:5.1f} B per held block;"
+                f" longest insert {wall * 1000:5.1f} ms (CPU {cpu * 1000:5.1f} ms),"
+                f" {sum(c > 0.002 for _w, c in calls)} over 2 ms of CPU"
+            )
+            calls.clear()
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ index memory, GC pauses"): no container the garbage collector tracks grows with 
 index, and a block costs its key, one node-map entry and 16 bytes per holding.
 
 * node = one dict entry ``short key (16 B) -> word``, an int packing per replica slot a
-  ``FIELD_BITS``-wide field: a held bit and the label of the LRU generation the holding
-  is in (router/lru.py). Words are interned, so a million nodes share a few hundred
+  ``FIELD_BITS``-wide field: a held bit and the label of the LRU log the holding is in
+  (router/lru.py). Words are interned, so a million nodes share a few hundred
   int objects. The held bit of slot ``s`` is ``1 << s * FIELD_BITS``; a "holder word"
   below is any int read that way;
-* LRU  = per replica a ``BlockLRU`` (router/lru.py): bytearray logs of raw keys per
-  generation; membership and generation are the node word's field, not a dict.
+* LRU  = per replica a ``BlockLRU`` (router/lru.py): bytearray logs of raw keys, one
+  per label, in generations; membership and label are the node word's field, not a
+  dict.
 
 A chain is touched deepest block first, so the first block of a prefix is always newer
 than its continuation and cap eviction takes a replica's oldest *leaves* first, keeping
