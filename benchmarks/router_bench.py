@@ -16,9 +16,10 @@ CPU time, which leaves out the time another process held the core; the differenc
 the index's share), and every collection during the timed loop.
 
 ``--leave-one-behind ROUNDS``: instead, one replica at the default cap (10⁶ blocks,
-so 125k-block LRU generations) uses its working set of one generation again every
-round, all but one block, which a new block replaces. The block left behind stays
-held alone among its generation's log entries, and no cap eviction ever reads them.
+so 125k-block LRU generations) uses its working set (``--working-set``, default one
+generation) again every round, all but one block, which a new block replaces. The
+block left behind stays held alone among its generation's log entries, and no cap
+eviction ever reads them.
 Reports the LRU's log bytes per held block and the longest ``insert`` call (wall and
 thread CPU) per 5 rounds, i.e. the longest pause the index's bookkeeping adds (round 0
 builds the index: the node map grows).
@@ -49,10 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-keys", action="store_true", help="pass 32-byte keys")
     parser.add_argument("--leave-one-behind", type=int, metavar="ROUNDS", default=0)
+    parser.add_argument(
+        "--working-set", type=int, default=0, help="blocks (default: one LRU generation)"
+    )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     if args.leave_one_behind:
-        leave_one_behind(args.leave_one_behind, rng)
+        leave_one_behind(args.leave_one_behind, args.working_set, rng)
         return
 
     router = Router(seed=args.seed)
@@ -167,15 +171,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"decisions: {router.stats()['decisions']}")
 
 
-def leave_one_behind(rounds: int, rng: random.Random) -> None:
+def leave_one_behind(rounds: int, working_set: int, rng: random.Random) -> None:
     index = PrefixIndex()  # the default cap: 10⁶ blocks, generations of 125k
     gen_size = index.max_blocks_per_replica // 8
-    chains = [[rng.randbytes(16) for _ in range(CHAIN)] for _ in range(gen_size // CHAIN + 1)]
+    n_chains = (working_set or gen_size) // CHAIN + 1
+    # Tuples of bytes, as above: the collector stops tracking them.
+    chains = [tuple(rng.randbytes(16) for _ in range(CHAIN)) for _ in range(n_chains)]
     calls: list[tuple[float, float]] = []  # (wall s, CPU s) per insert call
     print(f"working set {len(chains) * CHAIN:,} blocks, generations of {gen_size:,}")
     for r in range(rounds + 1):
         if r:  # the deepest block of one chain is left behind: a new one replaces it
-            chains[r % len(chains)][-1] = rng.randbytes(16)
+            chains[r % len(chains)] = (*chains[r % len(chains)][:-1], rng.randbytes(16))
         for chain in chains:
             c0, t0 = time.thread_time(), time.perf_counter()
             index.insert("r0", chain)

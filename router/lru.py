@@ -68,7 +68,7 @@ LABELS = 1 << (FIELD_BITS - 1)
 FIELD = (1 << FIELD_BITS) - 1
 MAX_WORDS = 4096  # interned words kept; past it the table starts over (``_write``)
 COMPACT_RATE = 4  # compaction work (log entries read) earned per holding leaving a log
-COMPACT_SLICE = 2048  # log entries one compaction step reads
+COMPACT_SLICE = 1024  # log entries one compaction step reads (~0.5 ms at 10⁶ nodes)
 
 
 @dataclass(slots=True, eq=False)
