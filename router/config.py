@@ -23,6 +23,12 @@ class RouterConfig:
     """Decode pressure: each request in flight on a replica is priced as this many
     prefill tokens in the choice (joining it slows every reply there), beyond what it
     adds to the predicted time to first token (fitted, router/cost.py)."""
+    decode_fixed_parts: float = 0.0
+    """Each request in flight on a replica is also priced this many fitted fixed parts
+    (a step and its overhead, router/cost.py) in the choice: on a GPU a step costs at
+    least the weights pass, which a price in prefill tokens does not scale with. 1
+    spreads bursts of new conversations more (docs/BENCHMARKS.md: better live TTFT at 4
+    replicas, one simulator cell under the hit-rate target); 0 by default."""
     queue_cap: float = 4.0
     """Safety cap: a replica whose queued prefill tokens exceed this × (the other
     replicas' mean queue + the prompt's tokens) is not chosen while another is."""
@@ -74,6 +80,8 @@ class RouterConfig:
             raise ValueError("recompute_weight must be at least 1")
         if self.decode_tokens_per_request < 0:
             raise ValueError("decode_tokens_per_request must be non-negative")
+        if not self.decode_fixed_parts >= 0:
+            raise ValueError("decode_fixed_parts must be non-negative")
         if self.queue_cap < 1:
             raise ValueError("queue_cap must be at least 1")
         if min(self.load_slack, self.load_abs_slack) < 0:

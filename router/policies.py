@@ -182,14 +182,17 @@ class CacheAware(Policy):
 
         score(r) = predicted TTFT(r) + ((recompute_weight − 1) × uncached(r)
                                         + load(r) × decode_tokens_per_request) × cost(r)
+                                     + load(r) × decode_fixed_parts × fixed(r)
 
     two prices beyond this request's own wait: recomputed tokens count
     ``recompute_weight`` times (default 1.5), because recomputing spends the cluster's
     compute and cache space; and each request in flight there counts
     ``decode_tokens_per_request`` prefill tokens (default 128), because this request's
     decode steps and theirs share the replica: joining a busy replica slows every reply
-    there, which its own first token does not show (with weight 1 and 0 decode tokens
-    the choice is the plain minimum predicted TTFT).
+    there, which its own first token does not show; ``decode_fixed_parts`` (default 0)
+    adds that many fixed parts per request in flight (a step: on a GPU at least the
+    weights pass). With weight 1 and no decode price the choice is the plain minimum
+    predicted TTFT.
     A long cached prefix wins until its replica's queue costs more than recomputing the
     prefix elsewhere; then the next request goes elsewhere, and
     that replica caches the prefix too (the router's optimistic insert makes it a match
@@ -222,13 +225,16 @@ class CacheAware(Policy):
         predicted: dict[str, float] = {}
         score: dict[str, float] = {}  # the prediction plus the extra price of recomputing
         weight = self.config.recompute_weight - 1.0
+        parts = self.config.decode_fixed_parts
         best = cheapest = math.inf
         longest = candidates[0]
         for c in candidates:
             work = c.queued + c.uncached + c.swap_tokens
             predicted[c.replica_id] = c.fixed_s + work * c.cost + c.load * c.running_s
             price = weight * c.uncached + c.load * c.decode_tokens
-            score[c.replica_id] = predicted[c.replica_id] + price * c.cost
+            score[c.replica_id] = (
+                predicted[c.replica_id] + price * c.cost + c.load * parts * c.fixed_s
+            )
             if c.matched > longest.matched:
                 longest = c
         for c in open_:

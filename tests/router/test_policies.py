@@ -34,13 +34,14 @@ def request(
     costs: Sequence[float] = (COST,) * 4,
     decode: int = 0,
     running_s: float = 0.0,
+    fixed_s: float = 0.0,
 ) -> RouteInput:
     """Four candidates r0..r3 of an 8-block (128-token) prompt; uncached tokens default
     to the blocks each does not hold."""
     if uncached is None:
         uncached = [max(1, 128 - 16 * m) for m in matched]
     cands = [
-        Candidate(rid, load, m, q, u, c, running_s, decode_tokens=decode)
+        Candidate(rid, load, m, q, u, c, running_s, fixed_s=fixed_s, decode_tokens=decode)
         for rid, load, m, q, u, c in zip(IDS, loads, matched, queued, uncached, costs, strict=True)
     ]
     return RouteInput(cands, 8, conversation, b"f" * 16, b"l" * 16)
@@ -123,23 +124,30 @@ def test_decode_pressure_counts_each_request_in_flight() -> None:
     assert policy("cache_aware").choose(req).replica_id == "r1"
 
 
+@pytest.mark.parametrize("parts", [0.0, 1.0])
 @pytest.mark.parametrize("running", range(9))
 def test_a_replica_running_requests_loses_to_an_idle_one_exactly_when_the_model_says(
-    running: int,
+    running: int, parts: float
 ) -> None:
-    # r0 holds the document (10 uncached tokens) and runs ``running`` requests, each
-    # measured to delay a first token by 50 ms and priced 64 tokens of decode pressure;
-    # r1..r3 are idle and would compute all 510 tokens (at 1.5x: recomputed).
+    # Every replica: 20 ms fixed, 1 ms per token. r0 holds the document (10 uncached
+    # tokens) and runs ``running`` requests, each measured to delay a first token by
+    # 50 ms and priced 64 tokens of decode pressure (+ ``parts`` fixed parts); r1..r3
+    # are idle and would compute all 510 tokens (at 1.5x: recomputed).
     req = request(
-        [running, 0, 0, 0], [8, 0, 0, 0], uncached=[10, 510, 510, 510], decode=64, running_s=0.05
+        [running, 0, 0, 0],
+        [8, 0, 0, 0],
+        uncached=[10, 510, 510, 510],
+        decode=64,
+        running_s=0.05,
+        fixed_s=0.02,
     )
-    choice = policy("cache_aware").choose(req)
-    stay = 50 * running + 64 * running + 1.5 * 10  # ms: 1 ms per token
-    move = 1.5 * 510
+    choice = policy("cache_aware", decode_fixed_parts=parts).choose(req)
+    stay = 20 + 50 * running + 10 + (0.5 * 10 + 64 * running) + parts * 20 * running  # ms
+    move = 20 + 510 + 0.5 * 510
     assert abs(stay - move) > TIE  # (no tie in this range)
     assert (choice.replica_id == "r0") == (stay < move)
     # The reason states the plain predicted TTFTs, running requests included.
-    said = f"r0 predicted {50 * running + 10:,} ms (matched 8/8"
+    said = f"r0 predicted {20 + 50 * running + 10:,} ms (matched 8/8"
     assert said in choice.reason
     if running:
         assert f"{running} in flight)" in choice.reason
