@@ -133,7 +133,7 @@ def decode_event(item: Any) -> EngineEvent | None:
             )
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # int(inf) overflows
         return None
     return None
 

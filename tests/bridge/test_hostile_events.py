@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from bridge.events import AllBlocksCleared, BadPayload, BlockRemoved, BlockStored, decode_batch
@@ -72,8 +72,16 @@ EVENTS = st.one_of(
 )
 
 
+INFINITE = [  # int(inf) raises OverflowError, not ValueError
+    {"type": "BlockStored", "block_hashes": [1], "token_ids": [float("inf")], "block_size": 1},
+    {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": float("-inf")},
+]
+
+
 @settings(max_examples=200, deadline=None)
 @given(batches=st.lists(st.lists(EVENTS, max_size=6), max_size=6), array_form=st.booleans())
+@example(batches=[INFINITE], array_form=False)
+@example(batches=[INFINITE], array_form=True)
 def test_no_event_an_engine_can_send_raises_past_decoding(
     batches: list[list[Any]], array_form: bool
 ) -> None:
