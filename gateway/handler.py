@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable
 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -56,14 +57,21 @@ async def serve_completion(
         endpoint=endpoint,
         started=time.perf_counter(),
     )
+    if scope["method"] != "POST":
+        not_allowed = OpenAIError(
+            f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": "POST"}
+        )
+        await answer(state, ex, send, _raise(not_allowed))
+        return
+    await answer(state, ex, send, _serve(state, headers, receive, send, ex, schema, path))
+
+
+async def answer(state: GatewayState, ex: Exchange, send: Send, serve: Awaitable[None]) -> None:
+    """Await one request's serving; what it raises becomes the client's answer: an
+    ``OpenAIError`` its status and body, a client gone a 499 in the log, anything else a
+    500 (or, mid-answer, a dropped connection). The exchange is finished either way."""
     try:
-        if scope["method"] != "POST":
-            raise OpenAIError(
-                f"{scope['method']} {path}: Method Not Allowed",
-                status=405,
-                headers={"Allow": "POST"},
-            )
-        await _serve(state, headers, receive, send, ex, schema, path)
+        await serve
     except OpenAIError as err:
         await send_json(send, err.status, err.body(), ex, err.headers)
     except ClientGone:
@@ -76,6 +84,10 @@ async def serve_completion(
         await send_json(send, 500, body, ex)
     finally:
         ex.finish(state.metrics)
+
+
+async def _raise(err: OpenAIError) -> None:
+    raise err
 
 
 async def _serve(

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import time
 from urllib.parse import parse_qs, quote
@@ -46,19 +45,16 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Tenant
 from gateway.exchange import Exchange
-from gateway.handler import ClientGone, DisconnectWatch, read_body, unknown_model
+from gateway.handler import DisconnectWatch, answer, read_body, unknown_model
 from gateway.proxy import Forward, forward, forward_headers
-from gateway.reply import send_json
 from gateway.response_affinity import Owner
 from gateway.responses_hooks import ResponsesHooks
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
-from prefixgate.wire import ChatCompletionRequest, OpenAIError, error_body, parse_request
+from prefixgate.wire import ChatCompletionRequest, OpenAIError, parse_request
 from prefixgate.wire_responses import ResponsesRequest, chat_body
 from router.conversation import conversation_key
 from router.router import Decision
-
-log = logging.getLogger("prefixgate.gateway")
 
 PREFIX = "/v1/responses"
 
@@ -75,32 +71,32 @@ async def serve_responses(state: GatewayState, scope: Scope, receive: Receive, s
     ex = Exchange(
         headers.get("x-request-id") or os.urandom(16).hex(), endpoint, time.perf_counter()
     )
+    await answer(state, ex, send, _serve(state, headers, receive, send, ex, path, method, scope))
+
+
+async def _serve(
+    state: GatewayState,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+    path: str,
+    method: str,
+    scope: Scope,
+) -> None:
+    request = await _request(state, headers, receive, ex, path, method, scope)
+    watch = DisconnectWatch(receive)
     try:
-        request = await _request(state, headers, receive, ex, path, method, scope)
-        watch = DisconnectWatch(receive)
-        try:
-            await forward(state, ex, request, send)
-        except asyncio.CancelledError:
-            if not watch.gone:
-                raise  # not ours: the server is shutting down
-            task = asyncio.current_task()
-            assert task is not None
-            task.uncancel()
-            ex.status = 499
-        finally:
-            watch.stop()
-    except OpenAIError as err:
-        await send_json(send, err.status, err.body(), ex, err.headers)
-    except ClientGone:
+        await forward(state, ex, request, send)
+    except asyncio.CancelledError:
+        if not watch.gone:
+            raise  # not ours: the server is shutting down
+        task = asyncio.current_task()
+        assert task is not None
+        task.uncancel()
         ex.status = 499
-    except Exception:
-        log.exception("request %s failed inside the gateway", ex.request_id)
-        if ex.responded:
-            raise  # mid-answer: nothing left to do but drop the connection
-        body = error_body("The gateway failed on this request.", type="server_error")
-        await send_json(send, 500, body, ex)
     finally:
-        ex.finish(state.metrics)
+        watch.stop()
 
 
 async def _request(
