@@ -137,6 +137,13 @@ async def _serve(
         headers=forward_headers(headers, ex.request_id, state.auth.open),
         stream=parsed.stream,
     )
+    await forward_watched(state, ex, request, receive, send)
+
+
+async def forward_watched(
+    state: GatewayState, ex: Exchange, request: Forward, receive: Receive, send: Send
+) -> None:
+    """``forward`` the request, abandoned (a 499 in the log) if the client disconnects."""
     watch = DisconnectWatch(receive)
     try:
         await forward(state, ex, request, send)

@@ -35,7 +35,6 @@ history (or, with an engine that ignores an unknown id, answer as if there were 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -45,8 +44,8 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Tenant
 from gateway.exchange import Exchange
-from gateway.handler import DisconnectWatch, answer, read_body, unknown_model
-from gateway.proxy import Forward, forward, forward_headers
+from gateway.handler import answer, forward_watched, read_body, unknown_model
+from gateway.proxy import Forward, forward_headers
 from gateway.response_affinity import Owner
 from gateway.responses_hooks import ResponsesHooks
 from gateway.state import GatewayState
@@ -85,18 +84,7 @@ async def _serve(
     scope: Scope,
 ) -> None:
     request = await _request(state, headers, receive, ex, path, method, scope)
-    watch = DisconnectWatch(receive)
-    try:
-        await forward(state, ex, request, send)
-    except asyncio.CancelledError:
-        if not watch.gone:
-            raise  # not ours: the server is shutting down
-        task = asyncio.current_task()
-        assert task is not None
-        task.uncancel()
-        ex.status = 499
-    finally:
-        watch.stop()
+    await forward_watched(state, ex, request, receive, send)
 
 
 async def _request(
