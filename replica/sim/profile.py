@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +84,8 @@ class SimProfile:
 
     def __post_init__(self) -> None:
         for name in COST_FIELDS:
-            if not getattr(self, name) >= 0.0:
-                raise ValueError(f"sim profile {self.name}: {name} must be >= 0")
+            if not 0.0 <= getattr(self, name) < math.inf:  # inf would sleep a step forever
+                raise ValueError(f"sim profile {self.name}: {name} must be >= 0 and finite")
         if not 0.0 <= self.demote_charge <= 1.0:
             raise ValueError(f"sim profile {self.name}: demote_charge must be in [0, 1]")
         if self.kv_bytes_per_token < 1 or self.kv_cache_bytes < 1 or self.max_context < 2:

@@ -8,6 +8,7 @@ profile says its steps cost, exactly.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -182,8 +183,11 @@ def test_profiles_load_by_name_or_file_and_constants_override(tmp_path: Path) ->
     assert H100.with_overrides() is H100
     with pytest.raises(ValueError, match="unknown sim profile"):
         load_profile("h200")
-    with pytest.raises(ValueError, match="must be >= 0"):
-        dataclasses.replace(H100, token_s=-1.0)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="must be >= 0 and finite"):
+            dataclasses.replace(H100, token_s=bad)
+    with pytest.raises(ValueError, match="host_copy_s_per_gb"):
+        H100.with_overrides(host_copy_s_per_gb=math.inf)
 
 
 def test_tokens_are_deterministic_real_and_never_special(tokenizer: ChatTokenizer) -> None:
