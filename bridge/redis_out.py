@@ -22,8 +22,6 @@ the gap) and a fresh snapshot is written once it answers again.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -31,27 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
-from router.protocol import (
-    REPLICAS_SET,
-    BlockEvent,
-    Medium,
-    ReplicaInfo,
-    ReplicaLoad,
-    SnapshotBlock,
-    encode_snapshot,
-    events_stream_key,
-    replica_info_key,
-    snapshot_key,
-)
+from router.protocol import BlockEvent, Medium, ReplicaInfo, ReplicaLoad, SnapshotBlock
+from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis
 
 log = logging.getLogger("prefixgate.bridge.redis")
-
-REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class Pending(NamedTuple):
@@ -89,16 +70,10 @@ class RedisWriter:
         self.seq_at_snapshot = self.seq
         self.pending: deque[Pending] = deque()
         self.need_snapshot = True
-        self._first_write = True
-        self.in_outage = False
         self.stats = WriterStats()
-        self._redis = aioredis.Redis.from_url(
-            config.redis_url,
-            socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s,
-            # One immediate retry reconnects a pooled connection gone stale across a Redis
-            # restart; beyond that the bridge backs off itself.
-            retry=Retry(NoBackoff(), 1),
+        self._outage = Outage(log, config.redis_url)
+        self._redis = ReplicaRedis(
+            config.redis_url, config.replica_id, config.redis_timeout_s, config.stream_maxlen
         )
 
     # ------------------------------------------------------------------ events (same loop)
@@ -152,16 +127,11 @@ class RedisWriter:
         except REDIS_ERRORS as exc:
             self._mark_down(exc)
             raise
-        self._mark_up()
+        self._outage.mark_up()
 
     async def _write_snapshot(self) -> None:
         seq, blocks = self.seq, self._snapshot()  # taken together: no await in between
-        pipe = self._redis.pipeline(transaction=True)
-        if self._first_write:
-            pipe.delete(events_stream_key(self.config.replica_id))
-        pipe.set(snapshot_key(self.config.replica_id), encode_snapshot(seq, blocks))
-        await pipe.execute()
-        self._first_write = False
+        await self._redis.write_snapshot(seq, blocks)
         self.need_snapshot = False
         self.seq_at_snapshot = seq
         self.stats.snapshots_written += 1
@@ -169,20 +139,10 @@ class RedisWriter:
     async def _write_events(self) -> None:
         n = min(len(self.pending), self.config.batch_size)
         batch = [self.pending.popleft() for _ in range(n)]
-        stream = events_stream_key(self.config.replica_id)
+        # Readers ignore engine_ts; benchmarks measure the bridge's lag with it.
+        extra = [{} if ts is None else {"engine_ts": repr(ts)} for _event, ts in batch]
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            for event, engine_ts in batch:
-                fields = event.encode()
-                if engine_ts is not None:  # readers ignore it; benchmarks measure lag with it
-                    fields["engine_ts"] = repr(engine_ts)
-                pipe.xadd(
-                    stream,
-                    fields,  # type: ignore[arg-type]
-                    maxlen=self.config.stream_maxlen,
-                    approximate=True,
-                )
-            await pipe.execute()
+            await self._redis.write_events([event for event, _ts in batch], extra)
         except REDIS_ERRORS:
             self.stats.events_dropped += len(batch)  # readers see the gap; the snapshot repairs
             raise
@@ -192,41 +152,23 @@ class RedisWriter:
         c = self.config
         info = ReplicaInfo(c.replica_id, c.url, c.model, c.block_size, load, time.time())
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.sadd(REPLICAS_SET, c.replica_id)
-            pipe.set(replica_info_key(c.replica_id), info.encode(), px=int(c.info_ttl_s * 1000))
-            pipe.exists(snapshot_key(c.replica_id))
-            *_, has_snapshot = await pipe.execute()
+            snapshot_lost = await self._redis.heartbeat(info, c.info_ttl_s)
         except REDIS_ERRORS as exc:
             self._mark_down(exc)
             raise
-        self._mark_up()
+        self._outage.mark_up()
         self.stats.heartbeats += 1
-        if not has_snapshot and not self._first_write:
-            # Redis restarted empty (redis-py reconnected without an error to notice):
-            # late readers need a snapshot to start from.
+        if snapshot_lost:  # Redis restarted empty: late readers need a snapshot to start from
             self.need_snapshot = True
 
     async def deregister(self) -> None:
         """Best effort: the record's expiry covers a failure."""
-        with contextlib.suppress(*REDIS_ERRORS):
-            await asyncio.wait_for(
-                self._redis.delete(replica_info_key(self.config.replica_id)),
-                self.config.redis_timeout_s,
-            )
+        await self._redis.deregister()
 
     async def aclose(self) -> None:
-        with contextlib.suppress(*REDIS_ERRORS):
-            await asyncio.wait_for(self._redis.aclose(), self.config.redis_timeout_s)
+        await self._redis.aclose()
 
     def _mark_down(self, exc: BaseException) -> None:
         self.need_snapshot = True  # whatever was lost, a fresh snapshot repairs
-        if not self.in_outage:
-            self.in_outage = True
+        if self._outage.mark_down(exc):
             self.stats.outages += 1
-            log.warning("redis at %s unreachable (%s); retrying", self.config.redis_url, exc)
-
-    def _mark_up(self) -> None:
-        if self.in_outage:
-            self.in_outage = False
-            log.info("redis at %s is back", self.config.redis_url)

@@ -29,29 +29,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
-
 from router.backoff import Backoff
-from router.protocol import (
-    REPLICAS_SET,
-    BlockEvent,
-    Medium,
-    ReplicaInfo,
-    ReplicaLoad,
-    SnapshotBlock,
-    encode_snapshot,
-    events_stream_key,
-    replica_info_key,
-    short_key,
-    snapshot_key,
-)
+from router.protocol import BlockEvent, Medium, ReplicaInfo, ReplicaLoad, SnapshotBlock, short_key
+from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis
 
 log = logging.getLogger("prefixgate.replica.publisher")
-
-_REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 @dataclass(slots=True)
@@ -102,9 +84,13 @@ class Publisher:
         # Set by stop(): the loops end on it even if a Redis call swallowed the
         # cancellation (redis-py can turn a cancelled connect into a ConnectionError).
         self._closing = False
-        self._redis: aioredis.Redis | None = None
-        self._first_write = True  # the first snapshot also drops a previous life's stream
-        self._in_outage = False
+        self._redis: ReplicaRedis | None = None
+        self._outage = Outage(
+            log,
+            config.redis_url,
+            down_note="serving goes on, retrying with backoff",
+            up_note="; re-publishing a fresh snapshot",
+        )
         self.stats = PublisherStats()
 
     # ------------------------------------------------------------- engine thread (listener)
@@ -188,14 +174,8 @@ class Publisher:
         """Begin publishing; ``load`` reports the engine's load for each heartbeat."""
         self._load = load
         self._loop = asyncio.get_running_loop()
-        self._redis = aioredis.Redis.from_url(
-            self.config.redis_url,
-            socket_timeout=self.config.redis_timeout_s,
-            socket_connect_timeout=self.config.redis_timeout_s,
-            # One immediate retry reconnects a pooled connection that went stale across a
-            # Redis restart; beyond that we back off ourselves, without blocking writes.
-            retry=Retry(NoBackoff(), 1),
-        )
+        c = self.config
+        self._redis = ReplicaRedis(c.redis_url, c.replica_id, c.redis_timeout_s, c.stream_maxlen)
         self._wake.set()
         self._tasks = [
             asyncio.create_task(self._write_loop(), name="publisher-writes"),
@@ -212,13 +192,8 @@ class Publisher:
             await asyncio.wait(self._tasks, timeout=5 * self.config.redis_timeout_s + 1)
         self._tasks = []
         if self._redis is not None:
-            with contextlib.suppress(*_REDIS_ERRORS):
-                await asyncio.wait_for(
-                    self._redis.delete(replica_info_key(self.config.replica_id)),
-                    self.config.redis_timeout_s,
-                )
-            with contextlib.suppress(*_REDIS_ERRORS):
-                await asyncio.wait_for(self._redis.aclose(), self.config.redis_timeout_s)
+            await self._redis.deregister()
+            await self._redis.aclose()
             self._redis = None
 
     async def _write_loop(self) -> None:
@@ -231,7 +206,7 @@ class Publisher:
                     await self._write_once()
                     self._mark_up()
                     backoff.reset()
-                except _REDIS_ERRORS as exc:
+                except REDIS_ERRORS as exc:
                     self._mark_down(exc)
                     await backoff.wait()
 
@@ -251,17 +226,8 @@ class Publisher:
             n = min(len(self._pending), self.config.batch_size)
             batch = [self._pending.popleft() for _ in range(n)]
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            stream = events_stream_key(self.config.replica_id)
-            for event in batch:
-                pipe.xadd(
-                    stream,
-                    event.encode(),  # type: ignore[arg-type]
-                    maxlen=self.config.stream_maxlen,
-                    approximate=True,
-                )
-            await pipe.execute()
-        except _REDIS_ERRORS:
+            await self._redis.write_events(batch)
+        except REDIS_ERRORS:
             # Lost: readers will see the gap; the next snapshot covers these events.
             with self._lock:
                 self.stats.events_dropped += len(batch)
@@ -272,12 +238,7 @@ class Publisher:
     async def _write_snapshot(self) -> None:
         assert self._redis is not None
         seq, blocks = self.snapshot()
-        pipe = self._redis.pipeline(transaction=True)
-        if self._first_write:
-            pipe.delete(events_stream_key(self.config.replica_id))
-        pipe.set(snapshot_key(self.config.replica_id), encode_snapshot(seq, blocks))
-        await pipe.execute()
-        self._first_write = False
+        await self._redis.write_snapshot(seq, blocks)
         with self._lock:
             self._need_snapshot = False
             self._seq_at_snapshot = seq
@@ -293,7 +254,7 @@ class Publisher:
             try:
                 await self._heartbeat()
                 self._mark_up()
-            except _REDIS_ERRORS as exc:
+            except REDIS_ERRORS as exc:
                 self._mark_down(exc)
             now = time.monotonic()
             with self._lock:
@@ -320,14 +281,9 @@ class Publisher:
             load=self._load(),
             timestamp=time.time(),
         )
-        ttl_ms = int(c.info_ttl_s * 1000)
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.sadd(REPLICAS_SET, c.replica_id)
-        pipe.set(replica_info_key(c.replica_id), info.encode(), px=ttl_ms)
-        pipe.exists(snapshot_key(c.replica_id))
-        *_, has_snapshot = await pipe.execute()
+        snapshot_lost = await self._redis.heartbeat(info, c.info_ttl_s)
         self.stats.heartbeats += 1
-        if has_snapshot or self._first_write:
+        if not snapshot_lost:
             return
         # Redis restarted empty and redis-py reconnected without an error to notice:
         # a gateway starting now needs a snapshot to start from.
@@ -339,18 +295,10 @@ class Publisher:
         with self._lock:
             self._need_snapshot = True  # whatever we missed, a fresh snapshot repairs
         self.stats.connected = False
-        if not self._in_outage:
-            self._in_outage = True
+        if self._outage.mark_down(exc):
             self.stats.outages += 1
-            log.warning(
-                "redis at %s unreachable (%s); serving goes on, retrying with backoff",
-                self.config.redis_url,
-                exc,
-            )
 
     def _mark_up(self) -> None:
-        if self._in_outage:
-            self._in_outage = False
-            log.info("redis at %s is back; re-publishing a fresh snapshot", self.config.redis_url)
+        if self._outage.mark_up():
             self._wake.set()
         self.stats.connected = True

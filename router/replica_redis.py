@@ -1,0 +1,139 @@
+"""A replica's writes to Redis in ``router.protocol``'s layout, for the built-in replica's
+publisher (``replica/publisher.py``) and the bridge in front of vLLM or SGLang
+(``bridge/redis_out.py``): one connection and the four writes, so that both write the
+same bytes and gateways need no engine-specific code.
+
+* ``write_snapshot``: the snapshot key; the first write of a life also drops the
+  previous life's event stream.
+* ``write_events``: a batch of block events appended to the capped stream.
+* ``heartbeat``: the registry set and the expiring record, and whether a snapshot must be
+  written again (Redis restarted empty and redis-py reconnected without an error).
+* ``deregister``: deletes the record, best effort (its expiry covers a failure).
+
+Each write raises one of ``REDIS_ERRORS`` when Redis fails; what to do then (drop the
+events, mark a snapshot due, back off) is the caller's: the two callers keep their
+events differently. ``Outage`` logs an outage once at its start and once at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from router.protocol import (
+    REPLICAS_SET,
+    BlockEvent,
+    ReplicaInfo,
+    SnapshotBlock,
+    encode_snapshot,
+    events_stream_key,
+    replica_info_key,
+    snapshot_key,
+)
+
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class ReplicaRedis:
+    """One replica's connection to Redis and the writes its layout needs."""
+
+    def __init__(
+        self, redis_url: str, replica_id: str, timeout_s: float, stream_maxlen: int
+    ) -> None:
+        self.replica_id = replica_id
+        self.timeout_s = timeout_s
+        self.stream_maxlen = stream_maxlen
+        self.first_write = True  # no snapshot written yet in this life
+        self._redis = aioredis.Redis.from_url(
+            redis_url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            # One immediate retry reconnects a pooled connection gone stale across a Redis
+            # restart; beyond that the caller backs off.
+            retry=Retry(NoBackoff(), 1),
+        )
+
+    async def write_snapshot(self, seq: int, blocks: Sequence[SnapshotBlock]) -> None:
+        """``blocks`` (parents before children) as of event ``seq``."""
+        pipe = self._redis.pipeline(transaction=True)
+        if self.first_write:
+            pipe.delete(events_stream_key(self.replica_id))
+        pipe.set(snapshot_key(self.replica_id), encode_snapshot(seq, list(blocks)))
+        await pipe.execute()
+        self.first_write = False
+
+    async def write_events(
+        self, events: Sequence[BlockEvent], extra: Sequence[Mapping[str, str]] = ()
+    ) -> None:
+        """Append ``events`` to the stream in one round trip; ``extra[i]``, when given,
+        adds fields to event i that readers ignore (the bridge's engine timestamp)."""
+        stream = events_stream_key(self.replica_id)
+        pipe = self._redis.pipeline(transaction=False)
+        for i, event in enumerate(events):
+            fields = event.encode()
+            if i < len(extra):
+                fields = {**fields, **extra[i]}
+            pipe.xadd(
+                stream,
+                fields,  # type: ignore[arg-type]
+                maxlen=self.stream_maxlen,
+                approximate=True,
+            )
+        await pipe.execute()
+
+    async def heartbeat(self, info: ReplicaInfo, ttl_s: float) -> bool:
+        """Register and refresh the record; True when a snapshot must be written again
+        (none in Redis although this life wrote one: Redis restarted empty)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.sadd(REPLICAS_SET, self.replica_id)
+        pipe.set(replica_info_key(self.replica_id), info.encode(), px=int(ttl_s * 1000))
+        pipe.exists(snapshot_key(self.replica_id))
+        *_, has_snapshot = await pipe.execute()
+        return not has_snapshot and not self.first_write
+
+    async def deregister(self) -> None:
+        """Best effort: the record's expiry covers a failure."""
+        with contextlib.suppress(*REDIS_ERRORS):
+            await asyncio.wait_for(
+                self._redis.delete(replica_info_key(self.replica_id)), self.timeout_s
+            )
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            await asyncio.wait_for(self._redis.aclose(), self.timeout_s)
+
+
+@dataclass(slots=True)
+class Outage:
+    """Whether Redis is unreachable, logged once when an outage starts and once when it
+    ends."""
+
+    log: logging.Logger
+    redis_url: str
+    down_note: str = "retrying"
+    up_note: str = ""
+    down: bool = False
+
+    def mark_down(self, exc: BaseException) -> bool:
+        """Note a failed write; True when this starts an outage."""
+        if self.down:
+            return False
+        self.down = True
+        self.log.warning("redis at %s unreachable (%s); %s", self.redis_url, exc, self.down_note)
+        return True
+
+    def mark_up(self) -> bool:
+        """Note a successful write; True when this ends an outage."""
+        if not self.down:
+            return False
+        self.down = False
+        self.log.info("redis at %s is back%s", self.redis_url, self.up_note)
+        return True
