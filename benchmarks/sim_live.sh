@@ -2,10 +2,19 @@
 # The live comparison on simulated-engine replicas (`--model sim`, one GPU each in
 # effect): prefixgate's policies and, when installed, sglang-router's cache_aware and
 # round_robin on the same replicas in the same interleaved rounds, at 4 and 16 replicas,
-# on agents, multi-turn chat and skewed single-turn documents. Results in OUT/sim-<N>.
+# on agents, multi-turn chat and skewed single-turn documents. Results in OUT/sim-<N>,
+# with RUN.txt (times, commits, command) and loadavg.txt (load average and available
+# memory every 10 s) beside them.
 #
 #   bash benchmarks/sim_live.sh [OUT]       # OUT defaults to docs/bench
 #   SIZES="4" REPEATS=1 bash benchmarks/sim_live.sh /tmp/try
+#   SIZES=64 SCALE=8 REPEATS=1 bash benchmarks/sim_live.sh docs/bench/sim-scaled
+#
+# SCALE=K multiplies every workload's sessions (`--scale`): at 64 replicas, K=8 gives
+# each replica about 16 requests per workload. From 64 replicas up (or with SHARED=1)
+# every policy runs on one set of replicas, a gateway per policy (`--shared-replicas`):
+# one cluster per policy would not fit in memory (64 sim replicas: about 6.6 GB).
+# CONCURRENCY overrides the concurrent sessions (default: one per replica, at least 8).
 #
 # sglang-router is no project dependency: install it in a venv of its own
 # (python3 -m venv ~/sglr && ~/sglr/bin/pip install sglang-router) and point
@@ -22,6 +31,8 @@ SIZES=${SIZES:-4 16}
 REPEATS=${REPEATS:-2}
 POLICIES=${POLICIES:-cache_aware,round_robin,least_loaded,consistent_hash}
 WORKLOADS=${WORKLOADS:-agents,multi_turn_chat,skewed_docs}
+SCALE=${SCALE:-1}
+SHARED=${SHARED:-0}
 
 # The A100 profile with every cost constant x10, so that device time outweighs this
 # machine's HTTP and tokenizing time (docs/BENCHMARKS.md, "Simulated engine").
@@ -53,8 +64,36 @@ isolated() {  # run "$@" in a loopback-only network namespace when one can be ma
 }
 
 for n in $SIZES; do
-    isolated "$BIN/prefixgate" bench live --replicas "$n" --model sim \
-        --concurrency $((n < 8 ? 8 : n)) --policies "$POLICIES" "${external[@]}" \
-        --workloads "$WORKLOADS" --repeats "$REPEATS" --out-dir "$OUT/sim-$n" \
-        --run-root "${RUN_ROOT:-runs/sim-live}/sim-$n"
+    dir="$OUT/sim-$n"
+    mkdir -p "$dir"
+    concurrency=${CONCURRENCY:-$((n < 8 ? 8 : n))}
+    shared=()
+    if [ "$SHARED" = 1 ] || [ "$n" -ge 64 ]; then
+        shared=(--shared-replicas)
+    fi
+    cmd=("$BIN/prefixgate" bench live --replicas "$n" --model sim \
+        --concurrency "$concurrency" --policies "$POLICIES" "${external[@]}" \
+        --workloads "$WORKLOADS" --repeats "$REPEATS" --scale "$SCALE" "${shared[@]}" \
+        --out-dir "$dir" --run-root "${RUN_ROOT:-runs/sim-live}/sim-$n")
+    {
+        echo "started $(date -u '+%F %T') UTC on $(nproc) cores"
+        echo "commit $(git log --oneline -1)"
+        echo "router/ last commits:"
+        git log --oneline -3 -- router/ | sed 's/^/  /'
+        echo "uncommitted in router/: $(git status --short -- router/ | tr '\n' ' ')"
+        echo "command: SIZES=$n SCALE=$SCALE SHARED=$SHARED REPEATS=$REPEATS bash benchmarks/sim_live.sh $OUT"
+        echo "bench: ${cmd[*]}"
+    } >"$dir/RUN.txt"
+    (   # load average and available memory every 10 s while the run lasts
+        while :; do
+            echo "$(date -u +%T) $(cat /proc/loadavg) $(awk '/MemAvailable/ {print int($2 / 1024) " MB available"}' /proc/meminfo)"
+            sleep 10
+        done
+    ) >"$dir/loadavg.txt" &
+    sampler=$!
+    rc=0
+    isolated "${cmd[@]}" || rc=$?
+    kill "$sampler"
+    echo "finished $(date -u '+%F %T') UTC, rc $rc" >>"$dir/RUN.txt"
+    [ "$rc" = 0 ] || exit "$rc"
 done

@@ -1,5 +1,7 @@
 """A local ``prefixgate up`` cluster driven from a benchmark: start, wait until ready,
-read its replicas' cache statistics and CPU time, reset its caches, stop.
+read its replicas' cache statistics and CPU time, reset its caches, stop; and more
+gateways joined to its Redis and replicas (``join_gateway``), each a router of its own in
+front of the same replicas.
 
 The replicas are found through the ``pids`` file that ``prefixgate up`` keeps in its run
 directory (``name pid port`` per line).
@@ -52,25 +54,40 @@ class Cluster:
                 stats[name] = json.loads(resp.read())
         return stats
 
+    def pids(self) -> dict[str, int]:
+        """Every child of ``prefixgate up`` by name (redis, replica-<i>, gateway)."""
+        out = {}
+        for line in (self.run_dir / "pids").read_text().splitlines():
+            name, pid, _port = line.split()
+            out[name] = int(pid)
+        return out
+
+    def redis_url(self) -> str:
+        """The embedded Redis that the replicas publish to and the gateway follows."""
+        for line in (self.run_dir / "pids").read_text().splitlines():
+            name, _pid, port = line.split()
+            if name == "redis":
+                return f"redis://127.0.0.1:{port}/0"
+        raise RuntimeError("the cluster has no embedded Redis")
+
     def replica_cpu_seconds(self) -> float | None:
         """CPU seconds (user + system) the replica processes have used so far, from
         /proc (None where there is none): what a replay costs the cores they share."""
-        total = 0.0
-        for line in (self.run_dir / "pids").read_text().splitlines():
-            name, pid, _port = line.split()
-            if not name.startswith("replica"):
-                continue
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                return None
-            fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is first
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+        used = [cpu_seconds(pid) for name, pid in self.pids().items() if name.startswith("replica")]
+        return None if None in used else sum(u for u in used if u is not None)
+
+    def gateway_pid(self) -> int:
+        return self.pids()["gateway"]
 
     def reset_prefix_cache(self) -> None:
         """Empty every replica's cache and the router's view (the gateway's endpoint)."""
-        gateway = self.base_url.removesuffix("/v1")
+        self.reset_through(self.base_url)
+
+    def reset_through(self, base_url: str) -> None:
+        """``POST /reset_prefix_cache`` on the gateway at ``base_url`` (this cluster's or
+        one joined to it): every replica's cache and that gateway's view of them emptied;
+        raises unless every replica answered and none still holds a block."""
+        gateway = base_url.removesuffix("/v1")
         request = urllib.request.Request(f"{gateway}/reset_prefix_cache", method="POST")
         with urllib.request.urlopen(request, timeout=60) as resp:  # raises on 4xx/5xx
             answer = json.loads(resp.read())
@@ -95,6 +112,113 @@ class Cluster:
 
     def stop(self) -> None:
         stop_process(self.proc, grace_s=30.0)  # `up` stops its own children on SIGTERM
+
+
+@dataclass(slots=True)
+class JoinedGateway:
+    """A ``prefixgate gateway`` joined to ``host``'s Redis and replicas: one more router in
+    front of the same replicas. Cache counters, CPU time and replica names are the
+    host's; a cache reset goes through this gateway, so that its own view starts empty."""
+
+    proc: subprocess.Popen[bytes]
+    host: Cluster
+    base_url: str
+
+    def reset_prefix_cache(self) -> None:
+        self.host.reset_through(self.base_url)
+
+    def cache_stats(self) -> dict[str, dict[str, Any]]:
+        return self.host.cache_stats()
+
+    def replica_cpu_seconds(self) -> float | None:
+        return self.host.replica_cpu_seconds()
+
+    def names_by_address(self) -> dict[str, str]:
+        return self.host.names_by_address()
+
+    def gateway_pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace_s=10.0)
+
+
+def launch_gateway(
+    host: Cluster,
+    model: str,
+    policy: str,
+    log_path: Path,
+    router_options: Sequence[str] = (),
+) -> JoinedGateway:
+    """Start ``prefixgate gateway`` on ``host``'s Redis with every one of its replicas as
+    a static ``--replica``, as ``prefixgate up`` starts its own (returns at once;
+    ``wait_gateway`` waits for it)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", model]
+    cmd += ["--port", str(port), "--redis-url", host.redis_url(), "--policy", policy]
+    for url in host.replica_urls().values():
+        cmd += ["--replica", url]
+    for option in router_options:
+        cmd += ["--router-option", option]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return JoinedGateway(proc, host, f"http://127.0.0.1:{port}/v1")
+
+
+def wait_gateway(gateway: JoinedGateway, timeout_s: float) -> None:
+    """Until the gateway sees every one of its host's replicas healthy."""
+    n = len(gateway.host.replica_urls())
+    ready = gateway.base_url.removesuffix("/v1") + f"/ready?min_replicas={n}"
+    wait_http_ok(ready, timeout_s, procs=[gateway.proc])
+
+
+def join_gateway(
+    host: Cluster,
+    model: str,
+    policy: str,
+    log_path: Path,
+    timeout_s: float = 120.0,
+    router_options: Sequence[str] = (),
+) -> JoinedGateway:
+    """``launch_gateway`` and ``wait_gateway``; stopped again if it never gets ready."""
+    gateway = launch_gateway(host, model, policy, log_path, router_options)
+    try:
+        wait_gateway(gateway, timeout_s)
+    except BaseException:
+        gateway.stop()
+        raise
+    return gateway
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is first
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mb(pids: Sequence[int]) -> float:
+    """Resident memory of these processes together, in MB (gone ones count 0)."""
+    total_kb = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total_kb += int(line.split()[1])
+    return total_kb / 1024
 
 
 def launch_cluster(

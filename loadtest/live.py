@@ -6,9 +6,15 @@ distinct prefix blocks (``loadtest.cache_sizing``), so that where a request land
 whether its prefix is cached.
 
 One ``prefixgate up`` cluster per policy starts at once (they idle while another
-replays). Each cell — a policy on a workload — begins with ``POST /reset_prefix_cache`` on
-its gateway, which empties every replica's cache and the router's view of them, then
-replays the workload; its per-replica ``/cache/stats`` are read around the replay. Every
+replays); or, with ``shared_replicas``, one cluster for the first policy and one more
+``prefixgate gateway`` per other policy joined to its Redis and replicas
+(``loadtest.cluster.join_gateway``), so that N policies cost one set of replicas. Each
+cell — a policy on a workload — begins with ``POST /reset_prefix_cache`` on its gateway,
+which empties every replica's cache and that gateway's view of them, then replays the
+workload; its per-replica ``/cache/stats`` are read around the replay. With shared
+replicas the idle gateways route nothing during another's cell (their view follows the
+replicas' block events and is emptied by their own reset before their cell); the CPU
+they spend meanwhile is recorded per cell (``other_gateways_cpu_s``). Every
 workload is replayed ``repeats`` times per policy, the policies in a rotated order each
 round, so that a slower minute on a shared machine falls on every policy alike; the
 figures pool the repeats (``loadtest.pooling``: all requests for hit rate and TTFT
@@ -35,7 +41,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from loadtest import external_router, skewed_docs
 from loadtest.cache_sizing import Sizing, live_prompts, size_cache
-from loadtest.cluster import Cluster, cluster_hit_rate, launch_cluster, stats_delta, wait_ready
+from loadtest.cluster import (
+    Cluster,
+    JoinedGateway,
+    cluster_hit_rate,
+    cpu_seconds,
+    launch_cluster,
+    launch_gateway,
+    rss_mb,
+    stats_delta,
+    wait_gateway,
+    wait_ready,
+)
 from loadtest.pooling import pool_cells
 from loadtest.replay import ReplayConfig, run_replay
 from loadtest.targets import check_targets
@@ -82,6 +99,27 @@ LIVE_PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
+# What ``scale`` multiplies in each workload: the number of sessions (or requests), so
+# that many replicas see a user's load, and for documents their number too, so that the
+# working set grows with the traffic as it does for the other two (new sessions bring new
+# histories; new requests over the same 16 documents would bring none, and a third of
+# the working set would be the whole hot set on every replica).
+SCALED: dict[str, tuple[str, ...]] = {
+    "agents": ("sessions_per_agent",),
+    "multi_turn_chat": ("sessions",),
+    skewed_docs.KIND: ("requests", "docs"),
+}
+
+
+def live_params(name: str, scale: int = 1) -> dict[str, Any]:
+    """``LIVE_PARAMS[name]`` with its ``SCALED`` counts multiplied by ``scale``."""
+    params = dict(LIVE_PARAMS.get(name, {}))
+    for key in SCALED.get(name, ()):
+        if key in params:
+            params[key] *= scale
+    return params
+
+
 def simulated_oracle(
     sessions: Sequence[Session],
     prompts: Sequence[Sequence[list[int]]],
@@ -125,6 +163,8 @@ class LiveConfig:
     repeats: int = 3  # replays of every workload per policy, pooled
     external_routers: list[str] = field(default_factory=list)  # e.g. sglang:cache_aware
     sglang_python: str | None = None  # the Python with sglang-router installed
+    shared_replicas: bool = False  # one set of replicas, one gateway per policy
+    scale: int = 1  # multiplies each workload's sessions (live_params)
 
 
 class Workload(NamedTuple):
@@ -150,19 +190,28 @@ class CellTarget(Protocol):
 
 
 class Started(NamedTuple):
-    """Every row's target, by row name, and why external rows were skipped (if so)."""
+    """Every row's target, by row name, and why external rows were skipped (if so); the
+    gateway process of each prefixgate row, every prefixgate process started (for their
+    memory), and how long starting them took."""
 
     targets: dict[str, CellTarget]
     external_skipped: str | None
+    gateway_pids: dict[str, int]
+    processes: list[int]
+    startup_s: float
 
 
 def start_clusters(cfg: LiveConfig, num_blocks: int) -> Started:
-    """One cluster per policy, started together (their replicas load in parallel), then
-    the external routers' rows in front of the first cluster's replicas."""
+    """One cluster per policy, started together (their replicas load in parallel), or with
+    ``shared_replicas`` one cluster and a joined gateway per other policy; then the
+    external routers' rows in front of the first cluster's replicas."""
+    t0 = time.monotonic()
+    own = cfg.policies if not cfg.shared_replicas else cfg.policies[:1]
     clusters: dict[str, Cluster] = {}
+    joined: dict[str, JoinedGateway] = {}
     targets: dict[str, CellTarget] = {}
     try:
-        for policy in cfg.policies:
+        for policy in own:
             clusters[policy] = launch_cluster(
                 cfg.replicas,
                 cfg.model,
@@ -172,35 +221,59 @@ def start_clusters(cfg: LiveConfig, num_blocks: int) -> Started:
                 cfg.router_options,
             )
         print(
-            f"[live] starting {len(clusters)} clusters of {cfg.replicas} replicas, "
+            f"[live] starting {len(clusters)} cluster(s) of {cfg.replicas} replicas, "
             f"{num_blocks} blocks each…",
             flush=True,
         )
         for cluster in clusters.values():
             wait_ready(cluster, cfg.ready_timeout_s)
             cluster.warm_up(cfg.model)
-        targets.update(clusters)
+        host = clusters[cfg.policies[0]]
+        for policy in cfg.policies[len(own) :]:
+            log = cfg.run_root / f"gateway-{policy}.log"
+            joined[policy] = launch_gateway(host, cfg.model, policy, log, cfg.router_options)
+        for gateway in joined.values():
+            wait_gateway(gateway, cfg.ready_timeout_s)
+        for policy in cfg.policies:
+            targets[policy] = clusters.get(policy) or joined[policy]
+        startup_s = time.monotonic() - t0
         routers, skipped = external_router.start_routers(
             cfg.external_routers,
             cfg.sglang_python,
-            clusters[cfg.policies[0]],
+            host,
             cfg.run_root / "external",
             cfg.ready_timeout_s,
         )
         targets.update(routers)
     except BaseException:
-        for target in reversed([*clusters.values(), *targets.values()]):
-            target.stop()  # routers before the clusters they front; twice is harmless
+        # routers before the gateways and clusters they front; twice is harmless
+        started: list[CellTarget] = [*clusters.values(), *joined.values(), *targets.values()]
+        for target in reversed(started):
+            target.stop()
         raise
-    return Started(targets, skipped)
+    pids = {p: c.gateway_pid() for p, c in clusters.items()}
+    pids.update((p, g.gateway_pid()) for p, g in joined.items())
+    processes = [pid for c in clusters.values() for pid in (c.proc.pid, *c.pids().values())]
+    processes += [g.proc.pid for g in joined.values()]
+    print(
+        f"[live] ready in {startup_s:.1f} s: {len(processes)} processes, "
+        f"{rss_mb(processes):.0f} MB resident",
+        flush=True,
+    )
+    return Started(targets, skipped, pids, processes, startup_s)
 
 
 def run_cells(
-    cfg: LiveConfig, clusters: dict[str, CellTarget], workloads: Sequence[Workload]
+    cfg: LiveConfig,
+    clusters: dict[str, CellTarget],
+    workloads: Sequence[Workload],
+    gateway_pids: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every (repeat, workload, row) cell; each row's position in the order moves by one
-    every repeat."""
+    every repeat. With ``gateway_pids`` (row → its gateway process) each cell also
+    records the CPU seconds of its own gateway and of all the others meanwhile."""
     rows = list(clusters)
+    pids = gateway_pids or {}
     results = []
     for repeat in range(cfg.repeats):
         for w in workloads:
@@ -208,7 +281,20 @@ def run_cells(
             for policy in rows[shift:] + rows[:shift]:
                 cluster = clusters[policy]
                 cluster.reset_prefix_cache()
-                results.append(replay_on(cluster, cfg, policy, w, repeat))
+                before = {p: cpu_seconds(pid) for p, pid in pids.items()}
+                cell = replay_on(cluster, cfg, policy, w, repeat)
+                after = {p: cpu_seconds(pid) for p, pid in pids.items()}
+                used = {}
+                for p in pids:
+                    b, a = before[p], after[p]
+                    if a is not None and b is not None:
+                        used[p] = a - b
+                if policy in used:
+                    cell["summary"]["gateway_cpu_s"] = used[policy]
+                if pids:
+                    others = [u for p, u in used.items() if p != policy]
+                    cell["summary"]["other_gateways_cpu_s"] = sum(others)
+                results.append(cell)
     return results
 
 
@@ -252,6 +338,12 @@ def replay_on(
     return data
 
 
+def _mode(cfg: LiveConfig) -> str:
+    if cfg.shared_replicas:
+        return f"one set of replicas behind {len(cfg.policies)} gateways (one per policy)"
+    return "one cluster per policy"
+
+
 def experiment_name(workload: str, cfg: LiveConfig) -> str:
     return f"live: {workload}, {cfg.replicas} × {cfg.model}"
 
@@ -262,7 +354,7 @@ def prepare(cfg: LiveConfig) -> list[Workload]:
 
     out = []
     for name in cfg.workloads:
-        params = LIVE_PARAMS.get(name, {})
+        params = live_params(name, cfg.scale)
         if name == skewed_docs.KIND:
             sessions = skewed_docs.generate(seed=cfg.seed, **params)
         else:
@@ -278,7 +370,7 @@ def prepare(cfg: LiveConfig) -> list[Workload]:
 def run_live(cfg: LiveConfig) -> Path:
     """The whole experiment; returns the path of ``live.json``."""
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    t0 = time.monotonic()
     workloads = prepare(cfg)
     num_blocks = max(w.sizing.num_blocks for w in workloads)
     oracle: dict[str, Any] = {}
@@ -287,7 +379,8 @@ def run_live(cfg: LiveConfig) -> Path:
         exp = experiment_name(w.name, cfg)
         n_requests = sum(len(s.turns) for s in w.sessions)
         notes[exp] = (
-            f"{len(w.sessions)} sessions, {n_requests} requests, closed loop with "
+            f"{len(w.sessions)} sessions, {n_requests} requests (scale {cfg.scale}), "
+            f"{_mode(cfg)}, closed loop with "
             f"{cfg.concurrency} concurrent sessions, replayed {cfg.repeats}× per policy "
             f"(pooled); {num_blocks} KV blocks per replica = "
             f"{num_blocks / w.sizing.distinct_blocks:.2f} of the workload's "
@@ -297,19 +390,27 @@ def run_live(cfg: LiveConfig) -> Path:
         oracle[exp] = simulated_oracle(
             w.sessions, w.prompts, cfg.replicas, num_blocks, cfg.concurrency
         )
-    clusters, skipped = start_clusters(cfg, num_blocks)
+    started = start_clusters(cfg, num_blocks)
+    cluster_info: dict[str, Any] = {
+        "startup_s": started.startup_s,
+        "processes": len(started.processes),
+        "rss_mb_ready": rss_mb(started.processes),
+    }
     try:
-        cells = run_cells(cfg, clusters, workloads)
+        cells = run_cells(cfg, started.targets, workloads, started.gateway_pids)
+        cluster_info["rss_mb_end"] = rss_mb(started.processes)
     finally:
-        for target in reversed(clusters.values()):
+        for target in reversed(started.targets.values()):
             target.stop()  # external routers before the cluster they front
+    skipped = started.external_skipped
     runs = pool_cells(cells)
     external_router.pool_counts(runs, cells)
-    elapsed = time.monotonic() - started
+    elapsed = time.monotonic() - t0
     data = {
         "kind": "live",
         "config": {**asdict(cfg), "out_dir": str(cfg.out_dir), "run_root": str(cfg.run_root)},
         "elapsed_s": elapsed,
+        "cluster": cluster_info,
         "runs": runs,
         "repeats": [{k: c[k] for k in ("meta", "summary", "cluster_hit_rate")} for c in cells],
         "oracle": oracle,

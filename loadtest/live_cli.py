@@ -57,6 +57,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"the Python with sglang-router installed (default: ${PYTHON_ENV}); "
         "without one, sglang rows are skipped",
     )
+    p.add_argument(
+        "--shared-replicas",
+        action="store_true",
+        help="one set of replicas and Redis for every policy: the first policy's cluster "
+        "plus one `prefixgate gateway` per other policy joined to it (one cluster per "
+        "policy otherwise); the memory of one cluster, as at 64 replicas",
+    )
+    p.add_argument(
+        "--scale",
+        type=_positive_int,
+        default=1,
+        help="multiply each workload's sessions (documents and requests for skewed_docs) "
+        "by K, so that many replicas see a user's load; the cache stays --cache-fraction "
+        "of the larger working set",
+    )
     p.add_argument("--no-report", action="store_true", help="skip tables and plots")
 
 
@@ -91,6 +106,8 @@ def main(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         external_routers=args.external_router,
         sglang_python=args.sglang_python,
+        shared_replicas=args.shared_replicas,
+        scale=args.scale,
     )
     path = run_live(cfg)
     if not args.no_report:

@@ -15,40 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from loadtest.cluster import Cluster, launch_cluster, wait_ready
+from loadtest.cluster import JoinedGateway, join_gateway, launch_cluster, wait_ready
 from loadtest.replay import ReplayConfig, ReplayResult, run_replay
-from prefixgate.procs import free_port, stop_process, wait_http_ok
 
 MODEL = "sim"
-
-
-def redis_url(cluster: Cluster) -> str:
-    for line in (cluster.run_dir / "pids").read_text().splitlines():
-        name, _pid, port = line.split()
-        if name == "redis":
-            return f"redis://127.0.0.1:{port}/0"
-    raise RuntimeError("the cluster has no embedded Redis")
-
-
-def second_gateway(
-    cluster: Cluster, policy: str, log_path: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", MODEL, "--port", str(port)]
-    cmd += ["--redis-url", redis_url(cluster), "--policy", policy]
-    for url in cluster.replica_urls().values():
-        cmd += ["--replica", url]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    n = len(cluster.replica_urls())
-    wait_http_ok(f"http://127.0.0.1:{port}/ready?min_replicas={n}", timeout=120, procs=[proc])
-    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def hit_rate(results: list[ReplayResult]) -> float:
@@ -88,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     sessions = generate(args.workload, seed=args.seed, **LIVE_PARAMS.get(args.workload, {}))
     blocks = size_cache(sessions, live_prompts(sessions, MODEL), MODEL, args.fraction).num_blocks
     cluster = launch_cluster(args.replicas, MODEL, args.policy, blocks, args.run_dir)
-    extra: subprocess.Popen[bytes] | None = None
+    extra: JoinedGateway | None = None
     try:
         wait_ready(cluster, 300)
         cluster.warm_up(MODEL)
-        extra, other_url = second_gateway(cluster, args.policy, args.run_dir / "gateway-2.log")
+        extra = join_gateway(cluster, MODEL, args.policy, args.run_dir / "gateway-2.log")
+        other_url = extra.base_url
         cluster.reset_prefix_cache()
         one = replay(sessions, cluster.base_url, args.concurrency, args.seed)
         cluster.reset_prefix_cache()
@@ -112,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         assert len(two) == 2, "a replay failed"
     finally:
         if extra is not None:
-            stop_process(extra)
+            extra.stop()
         cluster.stop()
     one_rate, two_rate = hit_rate([one]), hit_rate(two)
     record: dict[str, Any] = {

@@ -1,13 +1,16 @@
 """The live experiment's bookkeeping: repeats pooled into one run, targets checked on the
-pooled figures and counted per repeat. (The clusters themselves are exercised by
-tests/deploy/test_up.py and the gateway and replica suites.)"""
+pooled figures and counted per repeat; one set of sim replicas shared by two policies'
+gateways. (``prefixgate up`` itself is exercised by tests/deploy/test_up.py and the
+gateway and replica suites.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +111,77 @@ def test_replica_cpu_seconds_reads_the_replicas_from_the_pids_file(tmp_path: Pat
     finally:
         child.kill()
         child.wait()
+
+
+def test_scale_multiplies_sessions_and_documents() -> None:
+    from loadtest.live import LIVE_PARAMS, live_params
+
+    assert live_params("agents", 3)["sessions_per_agent"] == 3 * 8
+    assert live_params("agents", 3)["steps"] == LIVE_PARAMS["agents"]["steps"]
+    assert live_params("multi_turn_chat", 2)["sessions"] == 64
+    docs = live_params("skewed_docs", 4)
+    assert (docs["requests"], docs["docs"], docs["lengths"]) == (512, 64, (300, 600, 1000))
+    assert live_params("multi_turn_chat") == LIVE_PARAMS["multi_turn_chat"]
+    assert LIVE_PARAMS["agents"]["sessions_per_agent"] == 8  # the table itself untouched
+
+
+def test_shared_replicas_one_cluster_and_a_gateway_per_policy(tmp_path: Path) -> None:
+    """Two policies on one set of 2 sim replicas: the second policy's gateway joins the
+    first's cluster; each cell's requests land on the shared replicas, through its own
+    gateway (round robin spreads, and the idle gateway routes nothing), and each cell's
+    reset empties every replica first."""
+    from loadtest.cache_sizing import Sizing
+    from loadtest.cluster import Cluster, JoinedGateway, rss_mb
+    from loadtest.live import LiveConfig, Workload, run_cells, start_clusters
+    from loadtest.workloads import generate
+
+    cfg = LiveConfig(
+        replicas=2,
+        model="sim",
+        policies=["consistent_hash", "round_robin"],
+        workloads=["multi_turn_chat"],
+        out_dir=tmp_path / "out",
+        concurrency=2,
+        fraction=1 / 3,
+        seed=0,
+        ready_timeout_s=60,
+        run_root=tmp_path / "runs",
+        router_options=[],
+        repeats=1,
+        shared_replicas=True,
+    )
+    sessions = generate(
+        "multi_turn_chat", sessions=4, turns=2, system_len=40, user_len=8, max_tokens=2
+    )
+    workload = Workload("multi_turn_chat", sessions, [], Sizing(0, 64, 0.0, 0), True)
+    started = start_clusters(cfg, num_blocks=64)
+    try:
+        host, joined = started.targets["consistent_hash"], started.targets["round_robin"]
+        assert isinstance(host, Cluster) and isinstance(joined, JoinedGateway)
+        assert joined.host is host and joined.base_url != host.base_url
+        assert set(started.gateway_pids) == {"consistent_hash", "round_robin"}
+        assert len(set(started.gateway_pids.values())) == 2
+        assert rss_mb(started.processes) > 0 and started.startup_s > 0
+        cells = run_cells(cfg, started.targets, [workload], started.gateway_pids)
+        replicas = set(host.replica_urls())
+        for cell in cells:
+            s = cell["summary"]
+            assert s["errors"] == 0 and s["requests"] == 8
+            assert set(s["requests_per_replica"]) <= replicas
+            assert sum(s["requests_per_replica"].values()) == 8
+            served = sum(int(st["queries"]) for st in cell["cache_stats"].values())
+            assert served >= 8  # the replicas' own counters saw this cell's requests
+            assert s["gateway_cpu_s"] >= 0 and s["other_gateways_cpu_s"] >= 0
+        rr = next(c for c in cells if c["meta"]["policy"] == "round_robin")
+        assert rr["summary"]["requests_per_replica"] == {r: 4 for r in replicas}
+        for target in (host, joined):  # each gateway routed its own cell's 8, no more
+            url = target.base_url.removesuffix("/v1") + "/router/stats"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert sum(json.loads(resp.read())["decisions"].values()) == 8
+        assert any(st["cached_blocks"] for st in host.cache_stats().values())
+        joined.reset_prefix_cache()  # through the joined gateway: every replica emptied
+        assert not any(st["cached_blocks"] for st in host.cache_stats().values())
+    finally:
+        for row in reversed(started.targets.values()):
+            row.stop()
+    assert host.proc.poll() is not None and joined.proc.poll() is not None
