@@ -21,6 +21,7 @@ from typing import Any
 
 from gateway.answer_hooks import StreamScanner
 from gateway.response_affinity import Owner, ResponseAffinity
+from gateway.usage import sse_events
 
 STARTING = frozenset({b"response.created", b"response.in_progress"})  # before any output
 ENDING = frozenset({b"response.completed", b"response.incomplete", b"response.failed", b"error"})
@@ -41,9 +42,7 @@ class ResponsesScanner:
         self.response_id: str | None = None
 
     def feed(self, chunk: bytes) -> None:
-        data = self.tail + chunk if self.tail else chunk
-        events = data.replace(b"\r\n", b"\n").split(b"\n\n")
-        self.tail = events.pop()
+        events, self.tail = sse_events(self.tail, chunk)
         for event in events:
             self._event(event)
 

@@ -14,6 +14,15 @@ OUTPUT = re.compile(
 )
 
 
+def sse_events(tail: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
+    """The whole SSE events in ``tail + chunk`` and the unfinished rest, kept for the
+    next chunk (only the one event that straddles a chunk boundary is copied)."""
+    data = tail + chunk if tail else chunk
+    events = data.replace(b"\r\n", b"\n").split(b"\n\n")
+    rest = events.pop()
+    return events, rest
+
+
 class SSEScanner:
     """Watches a passing SSE stream for its first output, ``[DONE]`` and the usage
     chunk, without copying more than the one event that straddles a chunk boundary."""
@@ -27,9 +36,7 @@ class SSEScanner:
         self.cached_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> None:
-        data = self.tail + chunk if self.tail else chunk
-        events = data.replace(b"\r\n", b"\n").split(b"\n\n")
-        self.tail = events.pop()
+        events, self.tail = sse_events(self.tail, chunk)
         for event in events:
             self._event(event)
 
