@@ -2,8 +2,9 @@
 
 Each workload is replayed several times per policy; the pooled run takes the hit rate,
 TTFT and ITL percentiles and per-replica counts over all the repeats' requests, and the
-total time, throughput, load balance, busy replicas and replica CPU as medians over the
-repeats, so that one slow minute on a shared machine does not decide a figure.
+total time, throughput, load balance, busy replicas and CPU (replicas', the row's gateway's,
+the idle gateways') as medians over the repeats, so that one slow minute on a shared
+machine does not decide a figure.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from loadtest.replay import RequestRecord, summarize
 def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures from its repeats: hit rate, TTFT and ITL percentiles and the
     per-replica counts over all their requests; total time, throughput, max/mean load,
-    busy replicas and replica CPU as medians over the repeats (total time's range and
+    busy replicas and CPU seconds as medians over the repeats (total time's range and
     the worst max/mean beside them)."""
     records = [RequestRecord(**r) for run in repeats for r in run["requests"]]
     summaries = [run["summary"] for run in repeats]
@@ -35,6 +36,8 @@ def pool_repeats(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         load_max_over_mean_worst=max(loads) if loads else None,
         busy_replicas_mean=_median_of(summaries, "busy_replicas_mean"),
         replica_cpu_s=_median_of(summaries, "replica_cpu_s"),
+        gateway_cpu_s=_median_of(summaries, "gateway_cpu_s"),
+        other_gateways_cpu_s=_median_of(summaries, "other_gateways_cpu_s"),
     )
     stats: dict[str, dict[str, Any]] = {}
     for run in repeats:

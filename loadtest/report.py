@@ -126,6 +126,8 @@ COLUMNS: list[tuple[str, str, float, int]] = [
     ("max/mean load", "load_max_over_mean", 1.0, 2),
     ("busy replicas", "busy_replicas_mean", 1.0, 2),
     ("replica CPU (s)", "replica_cpu_s", 1.0, 1),
+    ("gateway CPU (s)", "gateway_cpu_s", 1.0, 1),
+    ("idle gateways' CPU (s)", "other_gateways_cpu_s", 1.0, 1),
     ("errors", "errors", 1.0, 0),
 ]
 

@@ -172,6 +172,9 @@ def test_shared_replicas_one_cluster_and_a_gateway_per_policy(tmp_path: Path) ->
             served = sum(int(st["queries"]) for st in cell["cache_stats"].values())
             assert served >= 8  # the replicas' own counters saw this cell's requests
             assert s["gateway_cpu_s"] >= 0 and s["other_gateways_cpu_s"] >= 0
+        pooled = pool_cells(cells)[0]["summary"]
+        assert pooled["gateway_cpu_s"] == cells[0]["summary"]["gateway_cpu_s"]
+        assert pooled["other_gateways_cpu_s"] == cells[0]["summary"]["other_gateways_cpu_s"]
         rr = next(c for c in cells if c["meta"]["policy"] == "round_robin")
         assert rr["summary"]["requests_per_replica"] == {r: 4 for r in replicas}
         for target in (host, joined):  # each gateway routed its own cell's 8, no more
