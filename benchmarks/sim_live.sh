@@ -80,10 +80,11 @@ for n in $SIZES; do
         echo "commit $(git log --oneline -1)"
         echo "router/ last commits:"
         git log --oneline -3 -- router/ | sed 's/^/  /'
-        echo "uncommitted in router/: $(git status --short -- router/ | tr '\n' ' ')"
+        echo "uncommitted in router/: $(git status --short -- router/ | tr '\n' ' ')(diff in router-uncommitted.diff)"
         echo "command: SIZES=$n SCALE=$SCALE SHARED=$SHARED REPEATS=$REPEATS bash benchmarks/sim_live.sh $OUT"
         echo "bench: ${cmd[*]}"
     } >"$dir/RUN.txt"
+    git diff -- router/ >"$dir/router-uncommitted.diff"
     (   # load average and available memory every 10 s while the run lasts
         while :; do
             echo "$(date -u +%T) $(cat /proc/loadavg) $(awk '/MemAvailable/ {print int($2 / 1024) " MB available"}' /proc/meminfo)"

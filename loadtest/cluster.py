@@ -9,19 +9,22 @@ directory (``name pid port`` per line).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefixgate.procs import ChildDied, free_port, stop_process, wait_http_ok
 
+RESET_TRIES = 10  # resets in a row (each waits up to 5 s for the events) before giving up
 # The /cache/stats fields that count events (the others are gauges: block counts).
 COUNTERS = ("queries", "hits", "misses", "hit_tokens", "query_tokens", "evictions", "expirations")
 
@@ -86,11 +89,18 @@ class Cluster:
     def reset_through(self, base_url: str) -> None:
         """``POST /reset_prefix_cache`` on the gateway at ``base_url`` (this cluster's or
         one joined to it): every replica's cache and that gateway's view of them emptied;
-        raises unless every replica answered and none still holds a block."""
+        raises unless every replica answered and none still holds a block. Repeated while
+        the gateway says some replica's ``cleared`` event has not reached it yet (a gateway
+        just resumed is still folding in older events, which must not outlive the reset)."""
         gateway = base_url.removesuffix("/v1")
-        request = urllib.request.Request(f"{gateway}/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(request, timeout=60) as resp:  # raises on 4xx/5xx
-            answer = json.loads(resp.read())
+        for _ in range(RESET_TRIES):
+            request = urllib.request.Request(f"{gateway}/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(request, timeout=60) as resp:  # raises on 4xx/5xx
+                answer = json.loads(resp.read())
+            if not any("warning" in a for a in answer["replicas"].values()):
+                break
+        else:
+            raise RuntimeError(f"prefix cache reset: the gateway stayed behind: {answer}")
         left = {n: s["cached_blocks"] for n, s in self.cache_stats().items() if s["cached_blocks"]}
         if left or len(answer["replicas"]) != len(self.replica_urls()):
             raise RuntimeError(f"prefix cache reset incomplete: {answer}, still cached {left}")
@@ -195,6 +205,40 @@ def join_gateway(
         gateway.stop()
         raise
     return gateway
+
+
+@dataclass(slots=True)
+class IdleGateways:
+    """Gateways in front of one set of replicas, every one but the one a cell needs
+    stopped (SIGSTOP): an idle gateway would otherwise fold in every block event and
+    routing hint of another gateway's cell, CPU time taken from the gateway under test,
+    the replicas and the load client on a small machine. A resumed gateway catches up
+    on the replicas' event streams before its cell: it is ready again
+    (``/ready?min_replicas=N``) and its reset waits for the events (``reset_through``)."""
+
+    gateways: dict[str, tuple[int, str]]  # row -> (pid, base URL)
+    replicas: int
+    ready_timeout_s: float
+    stopped: set[str] = field(default_factory=set)
+
+    def only(self, row: str | None) -> None:
+        """``row``'s gateway running and ready (None: none), every other one stopped."""
+        for name, (pid, _url) in self.gateways.items():
+            if name != row and name not in self.stopped:
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped.add(name)
+        if row is not None and row in self.stopped:
+            pid, url = self.gateways[row]
+            os.kill(pid, signal.SIGCONT)
+            self.stopped.discard(row)
+            ready = url.removesuffix("/v1") + f"/ready?min_replicas={self.replicas}"
+            wait_http_ok(ready, self.ready_timeout_s)
+
+    def resume_all(self) -> None:
+        for name in sorted(self.stopped):
+            with contextlib.suppress(ProcessLookupError):  # already gone: nothing to resume
+                os.kill(self.gateways[name][0], signal.SIGCONT)
+        self.stopped.clear()
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -12,9 +12,11 @@ replays); or, with ``shared_replicas``, one cluster for the first policy and one
 cell — a policy on a workload — begins with ``POST /reset_prefix_cache`` on its gateway,
 which empties every replica's cache and that gateway's view of them, then replays the
 workload; its per-replica ``/cache/stats`` are read around the replay. With shared
-replicas the idle gateways route nothing during another's cell (their view follows the
-replicas' block events and is emptied by their own reset before their cell); the CPU
-they spend meanwhile is recorded per cell (``other_gateways_cpu_s``). Every
+replicas the idle gateways route nothing during another's cell, and are stopped
+(SIGSTOP) meanwhile so that they spend no CPU folding in its block events and hints
+(``loadtest.cluster.IdleGateways``; what they still spend is recorded per cell,
+``other_gateways_cpu_s``); resumed, a gateway catches up on the events, and its own
+reset before its cell empties its view. Every
 workload is replayed ``repeats`` times per policy, the policies in a rotated order each
 round, so that a slower minute on a shared machine falls on every policy alike; the
 figures pool the repeats (``loadtest.pooling``: all requests for hit rate and TTFT
@@ -43,6 +45,7 @@ from loadtest import external_router, skewed_docs
 from loadtest.cache_sizing import Sizing, live_prompts, size_cache
 from loadtest.cluster import (
     Cluster,
+    IdleGateways,
     JoinedGateway,
     cluster_hit_rate,
     cpu_seconds,
@@ -271,30 +274,44 @@ def run_cells(
 ) -> list[dict[str, Any]]:
     """Every (repeat, workload, row) cell; each row's position in the order moves by one
     every repeat. With ``gateway_pids`` (row → its gateway process) each cell also
-    records the CPU seconds of its own gateway and of all the others meanwhile."""
+    records the CPU seconds of its own gateway and of all the others meanwhile. With
+    ``cfg.shared_replicas`` the gateways a cell does not use are stopped during it
+    (``IdleGateways``); an external row's reset goes through the first policy's."""
     rows = list(clusters)
     pids = gateway_pids or {}
+    idle: IdleGateways | None = None
+    if cfg.shared_replicas:
+        gateways = {p: (pid, clusters[p].base_url) for p, pid in pids.items()}
+        idle = IdleGateways(gateways, cfg.replicas, cfg.ready_timeout_s)
     results = []
-    for repeat in range(cfg.repeats):
-        for w in workloads:
-            shift = repeat % len(rows)
-            for policy in rows[shift:] + rows[:shift]:
-                cluster = clusters[policy]
-                cluster.reset_prefix_cache()
-                before = {p: cpu_seconds(pid) for p, pid in pids.items()}
-                cell = replay_on(cluster, cfg, policy, w, repeat)
-                after = {p: cpu_seconds(pid) for p, pid in pids.items()}
-                used = {}
-                for p in pids:
-                    b, a = before[p], after[p]
-                    if a is not None and b is not None:
-                        used[p] = a - b
-                if policy in used:
-                    cell["summary"]["gateway_cpu_s"] = used[policy]
-                if pids:
-                    others = [u for p, u in used.items() if p != policy]
-                    cell["summary"]["other_gateways_cpu_s"] = sum(others)
-                results.append(cell)
+    try:
+        for repeat in range(cfg.repeats):
+            for w in workloads:
+                shift = repeat % len(rows)
+                for policy in rows[shift:] + rows[:shift]:
+                    cluster = clusters[policy]
+                    if idle is not None:
+                        idle.only(policy if policy in pids else cfg.policies[0])
+                    cluster.reset_prefix_cache()
+                    if idle is not None and policy not in pids:
+                        idle.only(None)
+                    before = {p: cpu_seconds(pid) for p, pid in pids.items()}
+                    cell = replay_on(cluster, cfg, policy, w, repeat)
+                    after = {p: cpu_seconds(pid) for p, pid in pids.items()}
+                    used = {}
+                    for p in pids:
+                        b, a = before[p], after[p]
+                        if a is not None and b is not None:
+                            used[p] = a - b
+                    if policy in used:
+                        cell["summary"]["gateway_cpu_s"] = used[policy]
+                    if pids:
+                        others = [u for p, u in used.items() if p != policy]
+                        cell["summary"]["other_gateways_cpu_s"] = sum(others)
+                    results.append(cell)
+    finally:
+        if idle is not None:
+            idle.resume_all()
     return results
 
 
