@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
+from types import FrameType
 
 from loadtest.external_router import PYTHON_ENV, parse_spec
 from loadtest.live import DEFAULT_POLICIES, DEFAULT_WORKLOADS, LiveConfig, run_live
@@ -68,11 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--scale",
         type=_positive_int,
         default=1,
-        help="multiply each workload's sessions (documents and requests for skewed_docs) "
+        help="multiply each workload's sessions (agent types for agents; documents and "
+        "requests for skewed_docs) "
         "by K, so that many replicas see a user's load; the cache stays --cache-fraction "
         "of the larger working set",
     )
     p.add_argument("--no-report", action="store_true", help="skip tables and plots")
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _positive_int(text: str) -> int:
@@ -109,6 +116,9 @@ def main(args: argparse.Namespace) -> int:
         shared_replicas=args.shared_replicas,
         scale=args.scale,
     )
+    # SIGTERM unwinds like Ctrl-C, so that the clusters and gateways are stopped (and a
+    # stopped gateway resumed) on the way out instead of being left behind.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     path = run_live(cfg)
     if not args.no_report:
         from loadtest.report import load, write_report

@@ -116,13 +116,13 @@ def test_replica_cpu_seconds_reads_the_replicas_from_the_pids_file(tmp_path: Pat
 def test_scale_multiplies_sessions_and_documents() -> None:
     from loadtest.live import LIVE_PARAMS, live_params
 
-    assert live_params("agents", 3)["sessions_per_agent"] == 3 * 8
-    assert live_params("agents", 3)["steps"] == LIVE_PARAMS["agents"]["steps"]
+    agents = live_params("agents", 3)
+    assert (agents["agents"], agents["sessions_per_agent"], agents["steps"]) == (12, 8, 4)
     assert live_params("multi_turn_chat", 2)["sessions"] == 64
     docs = live_params("skewed_docs", 4)
     assert (docs["requests"], docs["docs"], docs["lengths"]) == (512, 64, (300, 600, 1000))
     assert live_params("multi_turn_chat") == LIVE_PARAMS["multi_turn_chat"]
-    assert LIVE_PARAMS["agents"]["sessions_per_agent"] == 8  # the table itself untouched
+    assert LIVE_PARAMS["agents"]["agents"] == 4  # the table itself untouched
 
 
 def test_shared_replicas_one_cluster_and_a_gateway_per_policy(tmp_path: Path) -> None:
