@@ -9,6 +9,8 @@
 #   SIM_LIVE=1 bash benchmarks/headline.sh   # also live on 4 and 16 sim replicas per policy
 #                                            # (benchmarks/sim_live.sh; sglang-router rows
 #                                            # with PREFIXGATE_SGLANG_PYTHON set)
+#   SIM_SCALED=1 bash benchmarks/headline.sh # also 16 and 64 sim replicas at 16 requests
+#                                            # per replica (about 45 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -34,6 +36,18 @@ if [ -n "${SIM_LIVE:-}" ]; then
     # sglang-router's cache_aware and round_robin as rows where PREFIXGATE_SGLANG_PYTHON
     # names a Python that has it (the whole run in a loopback-only network namespace).
     bash benchmarks/sim_live.sh "$OUT"
+fi
+
+if [ -n "${SIM_SCALED:-}" ]; then
+    # 16 and 64 sim replicas at a user's load: the workloads scaled to 16 requests per
+    # replica (2x and 8x the sessions), one concurrent session per replica, every policy
+    # on one set of replicas (a gateway each), one repeat at 64 (it takes ~20 min).
+    SIZES=16 SCALE=2 SHARED=1 CONCURRENCY=16 REPEATS=2 bash benchmarks/sim_live.sh "$OUT/sim-scaled"
+    SIZES=64 SCALE=8 SHARED=1 CONCURRENCY=64 REPEATS=1 bash benchmarks/sim_live.sh "$OUT/sim-scaled"
+    # 4 replicas: SIM_LIVE's run (SIM4 names another live.json, e.g. sglang-compare's)
+    $BIN/python benchmarks/sim_scale_plot.py "${SIM4:-$OUT/sim-4/live.json}" \
+        "$OUT/sim-scaled/sim-16/live.json" "$OUT/sim-scaled/sim-64/live.json" \
+        --out "$OUT/sim-scale-64.png"
 fi
 
 inputs=("$OUT/simulate.json")

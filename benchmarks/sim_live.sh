@@ -14,7 +14,8 @@
 # each replica about 16 requests per workload. From 64 replicas up (or with SHARED=1)
 # every policy runs on one set of replicas, a gateway per policy (`--shared-replicas`):
 # one cluster per policy would not fit in memory (64 sim replicas: about 6.6 GB).
-# CONCURRENCY overrides the concurrent sessions (default: one per replica, at least 8).
+# CONCURRENCY overrides the concurrent sessions (default: one per replica, at least 8);
+# EXTERNAL the sglang-router rows (default "sglang:cache_aware sglang:round_robin").
 #
 # sglang-router is no project dependency: install it in a venv of its own
 # (python3 -m venv ~/sglr && ~/sglr/bin/pip install sglang-router) and point
@@ -51,7 +52,9 @@ export HF_HUB_OFFLINE=1
 
 external=()
 if [ -n "${PREFIXGATE_SGLANG_PYTHON:-}" ]; then
-    external=(--external-router sglang:cache_aware --external-router sglang:round_robin)
+    for row in ${EXTERNAL:-sglang:cache_aware sglang:round_robin}; do
+        external+=(--external-router "$row")
+    done
 fi
 
 isolated() {  # run "$@" in a loopback-only network namespace when one can be made
