@@ -22,8 +22,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
 
 from loadtest.report import POLICY_COLORS
+
+TTFT_TICKS_MS = (100, 150, 200, 300, 500, 700, 1000, 2000, 3000, 5000, 10000, 20000)
 
 
 @dataclass(slots=True)
@@ -80,7 +83,14 @@ def plot(points: Points, out: Path) -> None:
             axes[1][col].plot(
                 [n for n, _ in oracle], [h for _, h in oracle], ":", color="black", label="oracle"
             )
-        axes[0][col].set_title(f"{workload}: TTFT p50 (ms)")
+        axes[0][col].set_yscale("log")  # a crowded row can be 30x the others
+        drawn = [
+            1e3 * t for (w, _), pts in points.runs.items() if w == workload for _, t, _ in pts if t
+        ]
+        ticks = [t for t in TTFT_TICKS_MS if min(drawn) / 1.2 <= t <= max(drawn) * 1.2]
+        axes[0][col].set_yticks(ticks, [f"{t:g}" for t in ticks])
+        axes[0][col].yaxis.set_minor_formatter(NullFormatter())
+        axes[0][col].set_title(f"{workload}: TTFT p50 (ms, log scale)")
         axes[1][col].set_title(f"{workload}: hit rate")
         for row in axes:
             row[col].set_xscale("log", base=2)
