@@ -37,6 +37,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from router.config import RouterConfig, with_options
 from router.index import PrefixIndex
 from router.router import Router
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=5_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--full-keys", action="store_true", help="pass 32-byte keys")
+    parser.add_argument("--option", action="append", default=[], help="router NAME=VALUE")
     parser.add_argument("--leave-one-behind", type=int, metavar="ROUNDS", default=0)
     parser.add_argument(
         "--working-set", type=int, default=0, help="blocks (default: one LRU generation)"
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         leave_one_behind(args.leave_one_behind, args.working_set, rng)
         return
 
-    router = Router(seed=args.seed)
+    router = Router(with_options(RouterConfig(), args.option), seed=args.seed)
     replica_ids = [f"replica-{i}" for i in range(args.replicas)]
     for rid in replica_ids:
         router.add_replica(rid, f"http://{rid}", static=True)

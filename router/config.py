@@ -29,6 +29,15 @@ class RouterConfig:
     least the weights pass, which a price in prefill tokens does not scale with. 1
     spreads bursts of new conversations more (docs/BENCHMARKS.md: better live TTFT at 4
     replicas, one simulator cell under the hit-rate target); 0 by default."""
+    balance_tokens: float = 2048.0
+    """Balance price: while some candidate is idle, a replica is priced this many
+    prefill tokens × (its recent busy time over the candidates' mean − 1) (router/load.py,
+    ``BusyShare``): a busy holder's cache hit loses to an idle replica's one-time
+    recompute of the prefix once the busy gap pays for it (at a gap of 1, a prefix of up
+    to ~1,365 tokens at ``recompute_weight`` 1.5). 0 turns it off."""
+    balance_window: float = 32.0
+    """The balance price's memory: about this many recent routing decisions per
+    replica (and each replica's prior, so the first decisions do not swing it)."""
     queue_cap: float = 4.0
     """Safety cap: a replica whose queued prefill tokens exceed this × (the other
     replicas' mean queue + the prompt's tokens) is not chosen while another is."""
@@ -82,6 +91,10 @@ class RouterConfig:
             raise ValueError("decode_tokens_per_request must be non-negative")
         if not self.decode_fixed_parts >= 0:
             raise ValueError("decode_fixed_parts must be non-negative")
+        if not self.balance_tokens >= 0:
+            raise ValueError("balance_tokens must be non-negative")
+        if not self.balance_window >= 1:
+            raise ValueError("balance_window must be at least 1")
         if self.queue_cap < 1:
             raise ValueError("queue_cap must be at least 1")
         if min(self.load_slack, self.load_abs_slack) < 0:

@@ -24,6 +24,7 @@ report's time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -136,3 +137,62 @@ class LoadTracker:
     def check_invariants(self) -> None:
         assert self.in_flight >= 0 and self.queued_tokens >= 0
         assert self.others >= 0 and self.others_tokens >= 0
+
+
+@dataclass(slots=True)
+class BusyShare:
+    """Each replica's recent busy time, sampled at this gateway's routing decisions
+    (CacheAware's balance price).
+
+    At every decision each candidate that has requests in flight (or is chosen) scores
+    1, and every score first decays by ``1 − 1/(window × candidates)``: a count over
+    about the last ``window`` decisions per replica. Requests arrive independently of
+    any one replica's state, so the fraction of decisions that find a replica busy
+    estimates the fraction of time it is busy, with no clock. A replica's ratio is its
+    count over the candidates' mean, both plus a prior of ``window`` (1: its fair
+    share; under 1: idle lately), so the first decisions do not swing it; ``weight``
+    grows from 0 to 1 over the first ``window`` decisions (no history, no evidence).
+
+    The decay is kept as one growing ``scale`` (counts are stored × scale; a new point
+    adds ``scale``), so a decision touches only the replicas it scores: O(busy)."""
+
+    window: float
+    counts: dict[str, float] = field(default_factory=dict)  # stored × scale
+    scale: float = 1.0
+    decisions: int = 0  # seen, up to ``window``
+
+    @property
+    def weight(self) -> float:
+        return min(1.0, self.decisions / self.window)
+
+    def count(self, replica_id: str) -> float:
+        return self.counts.get(replica_id, 0.0) / self.scale
+
+    def ratios(self, replica_ids: list[str]) -> dict[str, float]:
+        """Each replica's count over the mean of ``replica_ids``', with the prior."""
+        prior, counts = self.window * self.scale, self.counts
+        raw = {r: counts.get(r, 0.0) + prior for r in replica_ids}
+        per_mean = len(raw) / sum(raw.values())
+        return {r: v * per_mean for r, v in raw.items()}
+
+    def decided(self, busy: list[str], chosen: str, candidates: int) -> None:
+        """One decision among ``candidates`` replicas: those in ``busy`` had requests in
+        flight; ``chosen`` gets this one."""
+        if self.decisions < self.window:
+            self.decisions += 1
+        self.scale /= 1.0 - 1.0 / (self.window * candidates)
+        counts, point = self.counts, self.scale
+        for r in busy:
+            counts[r] = counts.get(r, 0.0) + point
+        if chosen not in busy:
+            counts[chosen] = counts.get(chosen, 0.0) + point
+        if point > 1e100:  # fold the scale back in (rarely: ~230 × window × candidates)
+            for r in list(counts):
+                counts[r] /= point
+                if counts[r] < 1e-6:
+                    del counts[r]  # decayed away (a replica gone: its entry goes with it)
+            self.scale = 1.0
+
+    def check_invariants(self) -> None:
+        assert self.scale >= 1.0 and 0 <= self.decisions <= max(1, math.ceil(self.window))
+        assert all(v > 0.0 for v in self.counts.values())

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import ClassVar, NamedTuple
 
 from router.config import RouterConfig
+from router.load import BusyShare
 from router.ring import Ring
 
 
@@ -191,8 +192,21 @@ class CacheAware(Policy):
     decode steps and theirs share the replica: joining a busy replica slows every reply
     there, which its own first token does not show; ``decode_fixed_parts`` (default 0)
     adds that many fixed parts per request in flight (a step: on a GPU at least the
-    weights pass). With weight 1 and no decode price the choice is the plain minimum
-    predicted TTFT.
+    weights pass). With weight 1, no decode price and no balance price the choice is the
+    plain minimum predicted TTFT.
+
+    Balance price: while some candidate is idle (no request in flight), each scores
+    ``balance_tokens`` × (busy(r) − 1) more prefill tokens, busy(r) being its recent
+    busy time over the candidates' mean (router/load.py, ``BusyShare``: sampled at the
+    last ~``balance_window`` decisions per replica, with a prior; the price grows in
+    over the first ``balance_window`` decisions). The greedy rule alone never sees
+    the future queue that piling onto a prefix's holder builds: at low load the holder
+    is always sooner for this request, and the other replicas stay idle. The price makes
+    a busy holder's hit lose to an idle replica's one-time recompute of the prefix once
+    the busy gap pays for it (a 1.5 × 1,365-token recompute at a gap of 1 at the
+    default 2,048), after which that replica holds the prefix too and takes its share at no
+    recompute: a prefix is copied in proportion to the load it brings. A continuing
+    conversation moves only when the gap pays for recomputing its whole history.
     A long cached prefix wins until its replica's queue costs more than recomputing the
     prefix elsewhere; then the next request goes elsewhere, and
     that replica caches the prefix too (the router's optimistic insert makes it a match
@@ -211,11 +225,17 @@ class CacheAware(Policy):
 
     The reason names the decision's kind (``prefix_match``: the chosen replica holds
     the longest match; ``spill``: a longer match elsewhere was predicted slower;
-    ``no_match``: nobody holds a block) and states the predictions.
+    ``no_match``: nobody holds a block) and states the predictions; ``<kind> balance:``
+    when the balance price decided, then with each replica's busy ratio and the one the
+    price without it would have chosen.
     """
 
     name = "cache_aware"
     TIE_TOKENS = 16  # one block at the default block size
+
+    def __init__(self, config: RouterConfig, ring: Ring, rng: random.Random) -> None:
+        super().__init__(config, ring, rng)
+        self.busy = BusyShare(config.balance_window)
 
     def choose(self, request: RouteInput) -> Choice:
         # One plain pass for the predictions; every request runs this (route() latency,
@@ -228,13 +248,23 @@ class CacheAware(Policy):
         parts = self.config.decode_fixed_parts
         best = cheapest = math.inf
         longest = candidates[0]
+        on = self.config.balance_tokens > 0
+        # Busy ratios, priced only while some candidate is idle (with none idle, the
+        # queue terms balance); recorded at every decision either way.
+        ratio = self.busy.ratios([c.replica_id for c in candidates]) if on else {}
+        busy = [c.replica_id for c in candidates if c.load] if on else []
+        idle = on and len(busy) < len(candidates)
+        balance = self.config.balance_tokens * self.busy.weight if idle else 0.0
+        plain: dict[str, float] = {}  # the score without the balance price
         for c in candidates:
             work = c.queued + c.uncached + c.swap_tokens
             predicted[c.replica_id] = c.fixed_s + work * c.cost + c.load * c.running_s
             price = weight * c.uncached + c.load * c.decode_tokens
-            score[c.replica_id] = (
-                predicted[c.replica_id] + price * c.cost + c.load * parts * c.fixed_s
-            )
+            base = predicted[c.replica_id] + price * c.cost + c.load * parts * c.fixed_s
+            if balance:
+                plain[c.replica_id] = base
+                base += balance * (ratio[c.replica_id] - 1.0) * c.cost
+            score[c.replica_id] = base
             if c.matched > longest.matched:
                 longest = c
         for c in open_:
@@ -245,11 +275,22 @@ class CacheAware(Policy):
         limit = best + self.TIE_TOKENS * cheapest
         tied = [c for c in open_ if score[c.replica_id] <= limit]
         chosen = tied[0] if len(tied) == 1 else self.tie_break(tied, request)
+        if on:
+            self.busy.decided(busy, chosen.replica_id, len(candidates))
+        kind = "spill" if longest.matched > chosen.matched else "prefix_match"
+        if kind == "prefix_match" and not chosen.matched:
+            kind = "no_match"
+        if balance:
+            # The replica the price without the balance term would have chosen: when it
+            # is not (within a tie) this one, the balance price decided.
+            unbalanced = min(open_, key=lambda c: plain[c.replica_id])
+            if plain[chosen.replica_id] > plain[unbalanced.replica_id] + self.TIE_TOKENS * cheapest:
+                reason = f"{kind} balance: {_said(chosen, predicted, request, ratio)}"
+                return Choice(
+                    chosen.replica_id, f"{reason}, {_said(unbalanced, predicted, request, ratio)}"
+                )
         other: Candidate | None = longest
-        if longest.matched > chosen.matched:
-            kind = "spill"
-        else:
-            kind = "prefix_match" if chosen.matched else "no_match"
+        if kind != "spill":
             other = None
             for c in candidates:
                 if c is not chosen and (other is None or _sooner(score, c, other)):
@@ -290,14 +331,22 @@ def _sooner(predicted: Mapping[str, float], a: Candidate, b: Candidate) -> bool:
     return predicted[a.replica_id] < predicted[b.replica_id]
 
 
-def _said(c: Candidate, predicted: Mapping[str, float], request: RouteInput) -> str:
-    """One candidate's prediction as the reason states it."""
+def _said(
+    c: Candidate,
+    predicted: Mapping[str, float],
+    request: RouteInput,
+    ratio: Mapping[str, float] | None = None,
+) -> str:
+    """One candidate's prediction as the reason states it (``ratio``: with its recent
+    busy time over the mean)."""
     text = f"{c.replica_id} predicted {predicted[c.replica_id] * 1000:,.0f} ms"
     parts = [f"matched {c.matched}/{request.total_blocks}"] if c.matched else []
     if c.queued:
         parts.append(f"queued {c.queued:,} tok")
     if c.load and c.running_s:
         parts.append(f"{c.load} in flight")
+    if ratio is not None:
+        parts.append(f"busy {ratio[c.replica_id]:.1f}x mean")
     return text + (f" ({', '.join(parts)})" if parts else "")
 
 

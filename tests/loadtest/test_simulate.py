@@ -11,6 +11,7 @@ from loadtest.sim_client import WordTokenizer
 from loadtest.sim_cost import CostModel
 from loadtest.simulate import run_comparison, simulate, working_set_blocks
 from loadtest.workloads import generate
+from router.config import RouterConfig
 
 
 def small_chat() -> list:  # type: ignore[type-arg]
@@ -54,6 +55,32 @@ def test_a_hot_system_prompt_is_replicated_not_hoarded() -> None:
     assert min(result.requests_per_replica) > 0.6 * max(result.requests_per_replica)
     assert result.hit_rate > 0.8
     assert result.decisions.get("spill", 0) > 0
+
+
+def test_at_low_load_the_balance_price_puts_idle_replicas_to_work() -> None:
+    # One request every 2 s onto 8 replicas: the greedy rule alone keeps a hot system
+    # prompt on the replicas holding it (the holder is always sooner for this request)
+    # and leaves the rest idle. The balance price (the default) copies it to the idle
+    # replicas, each once, and spreads the busy time at a small cost in hit rate.
+    sessions = generate(
+        "shared_system_prompt",
+        requests=120,
+        system_len=300,
+        question_len=20,
+        max_tokens=16,
+        rate=0.5,
+    )
+    runs = {
+        balance: run_comparison(
+            sessions, ["cache_aware"], n_replicas=8, config=RouterConfig(balance_tokens=balance)
+        )
+        for balance in (0.0, RouterConfig().balance_tokens)
+    }
+    (oracle, greedy), (_, balanced) = runs[0.0], runs[RouterConfig().balance_tokens]
+    assert greedy.busy_imbalance > 3 and min(greedy.requests_per_replica) == 0
+    assert balanced.busy_imbalance < 1.4 and min(balanced.requests_per_replica) > 0
+    assert balanced.hit_rate >= 0.9 * oracle.hit_rate
+    assert balanced.decisions["spill"] <= 8 + 2  # about one copy per replica, no churn
 
 
 def test_piling_onto_one_replica_shows_up_as_waiting() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from router.load import LoadTracker
+import random
+
+from router.load import BusyShare, LoadTracker
 from router.protocol import ReplicaLoad
 
 
@@ -79,3 +81,35 @@ def test_in_flight_log_answers_for_past_times_and_stays_short() -> None:
     oldest = load._log[0][0]
     dropped = [count for t, count in history if t < oldest]
     assert load.in_flight_at(oldest - 0.001) == dropped[-1]
+
+
+def test_busy_share_counts_recent_decisions_never_goes_negative_and_drains() -> None:
+    rng = random.Random(7)
+    share = BusyShare(window=4)
+    ids = ["r0", "r1", "r2"]
+    assert share.ratios(ids) == {"r0": 1.0, "r1": 1.0, "r2": 1.0}  # no history: even
+    assert share.weight == 0.0  # ... and no weight: the price grows in over a window
+    share.decided([], "r1", len(ids))  # the first decision moves the ratios but little
+    assert abs(share.ratios(ids)["r1"] - 5 / (13 / 3)) < 1e-9
+    for _ in range(500):
+        busy = [r for r in ids if rng.random() < (0.9 if r == "r0" else 0.2)]
+        share.decided(busy, rng.choice(ids), len(ids))
+        share.check_invariants()
+        ratios = share.ratios(ids)
+        assert all(v >= 0 for v in ratios.values())
+        assert abs(sum(ratios.values()) - len(ids)) < 1e-9  # ratios to the mean
+    assert share.weight == 1.0
+    # r0 was busy at ~90% of the decisions (plus its picks), the others at ~20%.
+    ratios = share.ratios(ids)
+    assert ratios["r0"] > 1.3 > max(ratios["r1"], ratios["r2"])
+    # A count spans about window × candidates decisions: 12 here, the steady state of
+    # one point each decision.
+    assert 10 < share.count("r0") <= 12
+    # A replica that is never busy nor chosen again decays away and leaves the table
+    # (when the decay's scale is folded back in, every ~2,600 decisions here).
+    for _ in range(3000):
+        share.decided(["r0"], "r0", len(ids))
+    assert set(share.counts) == {"r0"}
+    # With the prior of ``window`` each: (12 + 4) / 8 for r0, 4 / 8 for the others.
+    ratios = share.ratios(ids)
+    assert abs(ratios["r0"] - 2.0) < 1e-6 and abs(ratios["r1"] - 0.5) < 1e-6

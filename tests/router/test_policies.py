@@ -225,3 +225,89 @@ def test_every_policy_is_registered_default_first() -> None:
         "power_of_two",
         "consistent_hash",
     ]
+
+
+@pytest.mark.parametrize("balance", [0.0, 80.0, 87.0, 88.0, 103.0, 104.0, 150.0])
+def test_the_balance_price_moves_a_request_off_a_busy_holder_exactly_when_the_rule_says(
+    balance: float,
+) -> None:
+    # r0 holds the whole prompt (1 token to compute) and was busy at 4 recent decisions,
+    # the others at none; with the prior of one decision each (balance_window=1) its
+    # busy ratio is (4 + 1) / mean(5, 1, 1, 1) = 2.5, theirs 0.5. Scores in tokens:
+    # r0 1.5 × 1 + (2.5 − 1) × balance; r1..r3 1.5 × 128 + (0.5 − 1) × balance. The
+    # holder keeps the request until its balance price makes an idle replica's
+    # recompute cheaper.
+    pol = policy("cache_aware", balance_tokens=balance, balance_window=1)
+    assert isinstance(pol, CacheAware)
+    pol.busy.counts["r0"] = 4.0
+    pol.busy.decisions = 1  # a full window of history: the price at full weight
+    choice = pol.choose(request([0, 0, 0, 0], [8, 0, 0, 0], uncached=[1, 128, 128, 128]))
+    stay, move = 1.5 + 1.5 * balance, 192.0 - 0.5 * balance
+    if stay < move - TIE:
+        assert choice.replica_id == "r0"
+        assert choice.reason.startswith("prefix_match cost: r0 predicted 1 ms (matched 8/8")
+    if abs(stay - move) <= TIE:  # a tie: the ring decides (the prompt's last block)
+        assert choice.replica_id == pol.ring.rank(b"l".hex() * 16, set(IDS))
+    if stay > move + TIE:
+        assert choice.replica_id != "r0"
+        # The reason states the predictions and the busy ratios behind the move, and
+        # names the replica the cost model without the balance price would have chosen.
+        assert choice.reason == (
+            f"spill balance: {choice.replica_id} predicted 128 ms (busy 0.5x mean), "
+            "r0 predicted 1 ms (matched 8/8, busy 2.5x mean)"
+        )
+    if balance:  # the decision was recorded: every count decayed, the chosen one's grew
+        assert pol.busy.count(choice.replica_id) >= 1.0
+        pol.busy.check_invariants()
+    else:
+        assert pol.busy.counts == {"r0": 4.0}  # off: no bookkeeping at all
+
+
+def test_the_balance_price_applies_only_while_a_replica_is_idle() -> None:
+    # The same history as above, a price that moves the request while r3 is idle ...
+    pol = policy("cache_aware", balance_tokens=150.0, balance_window=1)
+    assert isinstance(pol, CacheAware)
+    pol.busy.counts["r0"] = 4.0
+    pol.busy.decisions = 1  # a full window of history: the price at full weight
+    req = request([1, 1, 1, 0], [8, 0, 0, 0], uncached=[1, 128, 128, 128])
+    assert pol.choose(req).reason.startswith("spill balance: ")
+    # ... and none once every replica has a request in flight: the queue terms decide.
+    pol = policy("cache_aware", balance_tokens=150.0, balance_window=1)
+    assert isinstance(pol, CacheAware)
+    pol.busy.counts["r0"] = 4.0
+    pol.busy.decisions = 1
+    assert pol.choose(request([1, 1, 1, 1], [8, 0, 0, 0], uncached=[1, 128, 128, 128])) == (
+        "r0",
+        "prefix_match cost: r0 predicted 1 ms (matched 8/8), r1 predicted 128 ms",
+    )
+
+
+def test_the_balance_price_seeds_idle_replicas_with_a_hot_prefix() -> None:
+    # One hot 512-token prompt, every request from a fresh client (no conversation key),
+    # each request still running when the next arrives on the replica it was sent to
+    # (load 1 there). Without the balance price the holder takes all of them; with it,
+    # the prompt is copied to the idle replicas, once each, and then stays spread.
+    def run(balance: float) -> Counter[str]:
+        pol = policy(
+            "cache_aware", balance_tokens=balance, balance_window=4, decode_tokens_per_request=0
+        )
+        holders: set[str] = set()
+        recent: list[str] = []
+        for _ in range(200):
+            loads = [1 if rid in recent[-2:] else 0 for rid in IDS]
+            uncached = [1 if rid in holders else 512 for rid in IDS]
+            matched = [8 if rid in holders else 0 for rid in IDS]
+            choice = pol.choose(request(loads, matched, uncached=uncached))
+            holders.add(choice.replica_id)
+            recent.append(choice.replica_id)
+        return Counter(recent)
+
+    assert len(run(0.0)) == 1
+    # A copy costs 1.5 × 512 = 768 tokens: a busy ratio gap of at most ~2.3 (the holder
+    # busy at every decision, the others at none, a prior of 4 each) priced 256 tokens a
+    # unit never pays for one ...
+    assert len(run(256.0)) == 1
+    # ... priced 2,048 it does, until all four hold the prompt and take a quarter each.
+    spread = run(2048.0)
+    assert set(spread) == set(IDS)
+    assert max(spread.values()) <= 51, spread
