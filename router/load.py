@@ -168,12 +168,18 @@ class BusyShare:
     def count(self, replica_id: str) -> float:
         return self.counts.get(replica_id, 0.0) / self.scale
 
+    def terms(self, replica_ids: list[str]) -> tuple[float, float]:
+        """``(prior, per_mean)``: replica r's ratio among ``replica_ids`` is
+        ``(counts.get(r, 0) + prior) × per_mean`` (in stored units; the hot path's form)."""
+        prior, counts = self.window * self.scale, self.counts
+        total = sum([counts.get(r, 0.0) for r in replica_ids]) + prior * len(replica_ids)
+        return prior, len(replica_ids) / total
+
     def ratios(self, replica_ids: list[str]) -> dict[str, float]:
         """Each replica's count over the mean of ``replica_ids``', with the prior."""
-        prior, counts = self.window * self.scale, self.counts
-        raw = {r: counts.get(r, 0.0) + prior for r in replica_ids}
-        per_mean = len(raw) / sum(raw.values())
-        return {r: v * per_mean for r, v in raw.items()}
+        prior, per_mean = self.terms(replica_ids)
+        counts = self.counts
+        return {r: (counts.get(r, 0.0) + prior) * per_mean for r in replica_ids}
 
     def decided(self, busy: list[str], chosen: str, candidates: int) -> None:
         """One decision among ``candidates`` replicas: those in ``busy`` had requests in

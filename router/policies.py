@@ -248,13 +248,16 @@ class CacheAware(Policy):
         parts = self.config.decode_fixed_parts
         best = cheapest = math.inf
         longest = candidates[0]
+        # Busy ratios (router/load.py, BusyShare), priced only while some candidate is
+        # idle (with none idle, the queue terms balance); recorded at every decision.
         on = self.config.balance_tokens > 0
-        # Busy ratios, priced only while some candidate is idle (with none idle, the
-        # queue terms balance); recorded at every decision either way.
-        ratio = self.busy.ratios([c.replica_id for c in candidates]) if on else {}
+        share = self.busy
         busy = [c.replica_id for c in candidates if c.load] if on else []
-        idle = on and len(busy) < len(candidates)
-        balance = self.config.balance_tokens * self.busy.weight if idle else 0.0
+        balance = 0.0
+        if on and len(busy) < len(candidates):
+            balance = self.config.balance_tokens * share.weight
+            prior, per_mean = share.terms([c.replica_id for c in candidates])
+            counts = share.counts
         plain: dict[str, float] = {}  # the score without the balance price
         for c in candidates:
             work = c.queued + c.uncached + c.swap_tokens
@@ -263,32 +266,35 @@ class CacheAware(Policy):
             base = predicted[c.replica_id] + price * c.cost + c.load * parts * c.fixed_s
             if balance:
                 plain[c.replica_id] = base
-                base += balance * (ratio[c.replica_id] - 1.0) * c.cost
+                ratio = (counts.get(c.replica_id, 0.0) + prior) * per_mean
+                base += balance * (ratio - 1.0) * c.cost
             score[c.replica_id] = base
             if c.matched > longest.matched:
                 longest = c
+        unbalanced = longest  # the choice without the balance price (when priced)
+        plain_best = math.inf
         for c in open_:
             if score[c.replica_id] < best:
                 best = score[c.replica_id]
             if c.cost < cheapest:
                 cheapest = c.cost
+            if balance and plain[c.replica_id] < plain_best:
+                plain_best, unbalanced = plain[c.replica_id], c
         limit = best + self.TIE_TOKENS * cheapest
         tied = [c for c in open_ if score[c.replica_id] <= limit]
         chosen = tied[0] if len(tied) == 1 else self.tie_break(tied, request)
-        if on:
-            self.busy.decided(busy, chosen.replica_id, len(candidates))
         kind = "spill" if longest.matched > chosen.matched else "prefix_match"
         if kind == "prefix_match" and not chosen.matched:
             kind = "no_match"
-        if balance:
-            # The replica the price without the balance term would have chosen: when it
-            # is not (within a tie) this one, the balance price decided.
-            unbalanced = min(open_, key=lambda c: plain[c.replica_id])
-            if plain[chosen.replica_id] > plain[unbalanced.replica_id] + self.TIE_TOKENS * cheapest:
-                reason = f"{kind} balance: {_said(chosen, predicted, request, ratio)}"
-                return Choice(
-                    chosen.replica_id, f"{reason}, {_said(unbalanced, predicted, request, ratio)}"
-                )
+        if on:
+            if balance and plain[chosen.replica_id] > plain_best + self.TIE_TOKENS * cheapest:
+                # Without the balance price another replica would have won: it decided.
+                ratios = share.ratios([c.replica_id for c in candidates])
+                reason = f"{kind} balance: {_said(chosen, predicted, request, ratios)}"
+                reason += f", {_said(unbalanced, predicted, request, ratios)}"
+                share.decided(busy, chosen.replica_id, len(candidates))
+                return Choice(chosen.replica_id, reason)
+            share.decided(busy, chosen.replica_id, len(candidates))
         other: Candidate | None = longest
         if kind != "spill":
             other = None
