@@ -10,7 +10,7 @@
 #                                            # (benchmarks/sim_live.sh; sglang-router rows
 #                                            # with PREFIXGATE_SGLANG_PYTHON set)
 #   SIM_SCALED=1 bash benchmarks/headline.sh # also 16 and 64 sim replicas at 16 requests
-#                                            # per replica (about 45 min)
+#                                            # per replica (about 35 min)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -41,7 +41,7 @@ fi
 if [ -n "${SIM_SCALED:-}" ]; then
     # 16 and 64 sim replicas at a user's load: the workloads scaled to 16 requests per
     # replica (2x and 8x the sessions), one concurrent session per replica, every policy
-    # on one set of replicas (a gateway each), one repeat at 64 (it takes ~20 min).
+    # on one set of replicas (a gateway each), 2 repeats at 16 (18 min here), 1 at 64 (14 min).
     SIZES=16 SCALE=2 SHARED=1 CONCURRENCY=16 REPEATS=2 bash benchmarks/sim_live.sh "$OUT/sim-scaled"
     SIZES=64 SCALE=8 SHARED=1 CONCURRENCY=64 REPEATS=1 bash benchmarks/sim_live.sh "$OUT/sim-scaled"
     # 4 replicas: SIM_LIVE's run (SIM4 names another live.json, e.g. sglang-compare's)
