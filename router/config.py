@@ -34,7 +34,9 @@ class RouterConfig:
     prefill tokens × (its recent busy time over the candidates' mean − 1) (router/load.py,
     ``BusyShare``): a busy holder's cache hit loses to an idle replica's one-time
     recompute of the prefix once the busy gap pays for it (at a gap of 1, a prefix of up
-    to ~1,365 tokens at ``recompute_weight`` 1.5). 0 turns it off."""
+    to ~1,365 tokens at ``recompute_weight`` 1.5). A replica under the mean is credited
+    only while it is idle itself (busy, a credit would draw requests until its queue
+    outgrew it). 0 turns it off."""
     balance_window: float = 32.0
     """The balance price's memory: about this many recent routing decisions per
     replica (and each replica's prior, so the first decisions do not swing it)."""

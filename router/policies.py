@@ -205,8 +205,11 @@ class CacheAware(Policy):
     a busy holder's hit lose to an idle replica's one-time recompute of the prefix once
     the busy gap pays for it (a 1.5 × 1,365-token recompute at a gap of 1 at the
     default 2,048), after which that replica holds the prefix too and takes its share at no
-    recompute: a prefix is copied in proportion to the load it brings. A continuing
-    conversation moves only when the gap pays for recomputing its whole history.
+    recompute: a prefix is copied in proportion to the load it brings. A replica under
+    the mean (busy(r) < 1) is credited only while it is idle itself: busy, a credit
+    would draw request after request until its queue outgrew the credit (a magnet). A
+    continuing conversation moves only when the gap pays for recomputing its whole
+    history.
     A long cached prefix wins until its replica's queue costs more than recomputing the
     prefix elsewhere; then the next request goes elsewhere, and
     that replica caches the prefix too (the router's optimistic insert makes it a match
@@ -267,7 +270,8 @@ class CacheAware(Policy):
             if balance:
                 plain[c.replica_id] = base
                 ratio = (counts.get(c.replica_id, 0.0) + prior) * per_mean
-                base += balance * (ratio - 1.0) * c.cost
+                if ratio > 1.0 or not c.load:  # credit only an idle replica (no magnet)
+                    base += balance * (ratio - 1.0) * c.cost
             score[c.replica_id] = base
             if c.matched > longest.matched:
                 longest = c

@@ -282,6 +282,26 @@ def test_the_balance_price_applies_only_while_a_replica_is_idle() -> None:
     )
 
 
+def test_a_replica_under_its_share_is_credited_only_while_idle() -> None:
+    # Busy history r0 4, r1 0, r2 1, r3 4 decisions, prior 1 each: ratios 1.54, 0.31,
+    # 0.62, 1.54. Nobody holds the prompt (192 tokens with the recompute weight) and
+    # each request in flight costs 128 more. A credit for r1 while it is busy would
+    # make it a magnet: it would keep taking requests until its queue outgrew the
+    # credit (at 64 live replicas this crowded chat onto 19 busy replicas). So r1 is
+    # credited only while it has nothing in flight, as an idle replica is ...
+    def choose(loads: list[int]) -> str:
+        pol = policy("cache_aware", balance_tokens=1024.0, balance_window=1)
+        assert isinstance(pol, CacheAware)
+        pol.busy.counts.update({"r0": 4.0, "r2": 1.0, "r3": 4.0})
+        pol.busy.decisions = 1  # a full window of history: the price at full weight
+        return pol.choose(request(loads, decode=128)).replica_id
+
+    assert choose([0, 0, 0, 0]) == "r1"  # 192 − 0.69 × 1024 against r2's 192 − 0.38 × 1024
+    assert choose([1, 0, 0, 1]) == "r1"
+    # ... and busy, it competes on its queue terms alone (320) against idle r2 (−202).
+    assert choose([1, 1, 0, 1]) == "r2"
+
+
 def test_the_balance_price_seeds_idle_replicas_with_a_hot_prefix() -> None:
     # One hot 512-token prompt, every request from a fresh client (no conversation key),
     # each request still running when the next arrives on the replica it was sent to
