@@ -170,16 +170,7 @@ def launch_gateway(
         cmd += ["--replica", url]
     for option in router_options:
         cmd += ["--router-option", option]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    return JoinedGateway(proc, host, f"http://127.0.0.1:{port}/v1")
+    return JoinedGateway(spawn_logged(cmd, log_path), host, f"http://127.0.0.1:{port}/v1")
 
 
 def wait_gateway(gateway: JoinedGateway, timeout_s: float) -> None:
@@ -282,15 +273,21 @@ def launch_cluster(
     cmd += ["--num-blocks", str(num_blocks), "--run-dir", str(run_dir)]
     for option in router_options:
         cmd += ["--router-option", option]
-    with open(run_dir / "up.log", "ab") as log:
-        proc = subprocess.Popen(
+    return Cluster(spawn_logged(cmd, run_dir / "up.log"), run_dir, f"http://127.0.0.1:{port}/v1")
+
+
+def spawn_logged(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in a session of its own (a signal to the bench does not reach it;
+    the bench stops it), its output appended to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    return Cluster(proc, run_dir, f"http://127.0.0.1:{port}/v1")
 
 
 def wait_ready(cluster: Cluster, timeout_s: float) -> None:
