@@ -31,12 +31,20 @@ class RouterConfig:
     replicas, one simulator cell under the hit-rate target); 0 by default."""
     balance_tokens: float = 2048.0
     """Balance price: while some candidate is idle, a replica is priced this many
-    prefill tokens × (its recent busy time over the candidates' mean − 1) (router/load.py,
-    ``BusyShare``): a busy holder's cache hit loses to an idle replica's one-time
-    recompute of the prefix once the busy gap pays for it (at a gap of 1, a prefix of up
-    to ~1,365 tokens at ``recompute_weight`` 1.5). A replica under the mean is credited
+    prefill tokens × (its recent busy time over the candidates' mean − 1 −
+    ``balance_slack``) (router/load.py, ``BusyShare``): a busy holder's cache hit loses
+    to an idle replica's one-time recompute of the prefix once the busy gap pays for it
+    (a holder at 2× the mean against an idle replica at 0.5×: a prefix of up to ~1,700
+    tokens at ``recompute_weight`` 1.5). A replica under the mean is credited
     only while it is idle itself (busy, a credit would draw requests until its queue
     outgrew it). 0 turns it off."""
+    balance_slack: float = 0.25
+    """Busy time up to (1 + this) × the mean is not priced: a replica that holds its
+    share of the prefixes is not pushed to give it away. With fewer hot prefixes than
+    replicas (8 agent types on 16 replicas) each holder runs ~1.7× the mean busy time
+    while the others idle; priced from the mean, holders copied their tool prompts to
+    idle replicas (2,000-token recomputes at a session's start): 23.4 s in total
+    against 21.0 s with this slack (docs/BENCHMARKS.md, "Balance slack")."""
     balance_window: float = 32.0
     """The balance price's memory: about this many recent routing decisions per
     replica (and each replica's prior, so the first decisions do not swing it)."""
@@ -95,6 +103,8 @@ class RouterConfig:
             raise ValueError("decode_fixed_parts must be non-negative")
         if not self.balance_tokens >= 0:
             raise ValueError("balance_tokens must be non-negative")
+        if not self.balance_slack >= 0:
+            raise ValueError("balance_slack must be non-negative")
         if not self.balance_window >= 1:
             raise ValueError("balance_window must be at least 1")
         if self.queue_cap < 1:

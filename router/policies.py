@@ -195,21 +195,24 @@ class CacheAware(Policy):
     weights pass). With weight 1, no decode price and no balance price the choice is the
     plain minimum predicted TTFT.
 
-    Balance price: while some candidate is idle (no request in flight), each scores
-    ``balance_tokens`` × (busy(r) − 1) more prefill tokens, busy(r) being its recent
-    busy time over the candidates' mean (router/load.py, ``BusyShare``: sampled at the
-    last ~``balance_window`` decisions per replica, with a prior; the price grows in
-    over the first ``balance_window`` decisions). The greedy rule alone never sees
-    the future queue that piling onto a prefix's holder builds: at low load the holder
-    is always sooner for this request, and the other replicas stay idle. The price makes
-    a busy holder's hit lose to an idle replica's one-time recompute of the prefix once
-    the busy gap pays for it (a 1.5 × 1,365-token recompute at a gap of 1 at the
-    default 2,048), after which that replica holds the prefix too and takes its share at no
-    recompute: a prefix is copied in proportion to the load it brings. A replica under
-    the mean (busy(r) < 1) is credited only while it is idle itself: busy, a credit
-    would draw request after request until its queue outgrew the credit (a magnet). A
-    continuing conversation moves only when the gap pays for recomputing its whole
-    history.
+    Balance price: while some candidate is idle (no request in flight), each busy over
+    the mean scores ``balance_tokens`` × (busy(r) − 1 − ``balance_slack``) more prefill
+    tokens (none up to 1 + slack: a holder of its share of the prefixes keeps them),
+    each idle one under the mean ``balance_tokens`` × (busy(r) − 1) (a credit), busy(r)
+    being its recent busy time over the candidates' mean (router/load.py, ``BusyShare``:
+    sampled at the last ~``balance_window`` decisions per replica, with a prior; the
+    price grows in over the first ``balance_window`` decisions). The greedy rule alone
+    never sees the future queue that piling onto a prefix's holder builds: at low load
+    the holder is always sooner for this request, and the other replicas stay idle. The
+    price makes a busy holder's hit lose to an idle replica's one-time recompute of the
+    prefix once the busy gap pays for it (at the defaults, a holder at 2× the mean
+    against an idle replica at 0.5×: (0.75 + 0.5) × 2,048 = 2,560 tokens, a 1,707-token
+    prefix at ``recompute_weight`` 1.5), after which that replica holds the prefix too
+    and takes its share at no recompute: a prefix is copied in proportion to the load it
+    brings. A replica under the mean (busy(r) < 1) is credited only while it is idle
+    itself: busy, a credit would draw request after request until its queue outgrew the
+    credit (a magnet). A continuing conversation moves only when the gap pays for
+    recomputing its whole history.
     A long cached prefix wins until its replica's queue costs more than recomputing the
     prefix elsewhere; then the next request goes elsewhere, and
     that replica caches the prefix too (the router's optimistic insert makes it a match
@@ -261,6 +264,7 @@ class CacheAware(Policy):
             balance = self.config.balance_tokens * share.weight
             prior, per_mean = share.terms([c.replica_id for c in candidates])
             counts = share.counts
+            over = 1.0 + self.config.balance_slack  # priced above this ratio
         plain: dict[str, float] = {}  # the score without the balance price
         for c in candidates:
             work = c.queued + c.uncached + c.swap_tokens
@@ -270,7 +274,9 @@ class CacheAware(Policy):
             if balance:
                 plain[c.replica_id] = base
                 ratio = (counts.get(c.replica_id, 0.0) + prior) * per_mean
-                if ratio > 1.0 or not c.load:  # credit only an idle replica (no magnet)
+                if ratio > over:
+                    base += balance * (ratio - over) * c.cost
+                elif ratio < 1.0 and not c.load:  # credit only an idle replica (no magnet)
                     base += balance * (ratio - 1.0) * c.cost
             score[c.replica_id] = base
             if c.matched > longest.matched:

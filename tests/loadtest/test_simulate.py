@@ -78,7 +78,8 @@ def test_at_low_load_the_balance_price_puts_idle_replicas_to_work() -> None:
     }
     (oracle, greedy), (_, balanced) = runs[0.0], runs[RouterConfig().balance_tokens]
     assert greedy.busy_imbalance > 3 and min(greedy.requests_per_replica) == 0
-    assert balanced.busy_imbalance < 1.4 and min(balanced.requests_per_replica) > 0
+    # Busy time within 1 + balance_slack (1.25) of the mean is not priced.
+    assert balanced.busy_imbalance < 1.6 and min(balanced.requests_per_replica) > 0
     assert balanced.hit_rate >= 0.9 * oracle.hit_rate
     assert balanced.decisions["spill"] <= 8 + 2  # about one copy per replica, no churn
 

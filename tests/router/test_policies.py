@@ -227,22 +227,28 @@ def test_every_policy_is_registered_default_first() -> None:
     ]
 
 
-@pytest.mark.parametrize("balance", [0.0, 80.0, 87.0, 88.0, 103.0, 104.0, 150.0])
+@pytest.mark.parametrize(
+    ("balance", "slack"),
+    [(b, 0.0) for b in (0.0, 80.0, 87.0, 88.0, 103.0, 104.0, 150.0)]
+    + [(b, 0.5) for b in (100.0, 116.0, 117.0, 137.0, 138.0, 200.0)]
+    + [(b, 1.6) for b in (300.0, 348.0, 350.0, 412.0, 414.0, 500.0)],
+)
 def test_the_balance_price_moves_a_request_off_a_busy_holder_exactly_when_the_rule_says(
-    balance: float,
+    balance: float, slack: float
 ) -> None:
     # r0 holds the whole prompt (1 token to compute) and was busy at 4 recent decisions,
     # the others at none; with the prior of one decision each (balance_window=1) its
     # busy ratio is (4 + 1) / mean(5, 1, 1, 1) = 2.5, theirs 0.5. Scores in tokens:
-    # r0 1.5 × 1 + (2.5 − 1) × balance; r1..r3 1.5 × 128 + (0.5 − 1) × balance. The
-    # holder keeps the request until its balance price makes an idle replica's
-    # recompute cheaper.
-    pol = policy("cache_aware", balance_tokens=balance, balance_window=1)
+    # r0 1.5 × 1 + max(0, 2.5 − 1 − slack) × balance; r1..r3 1.5 × 128 + (0.5 − 1) ×
+    # balance (an idle replica's credit). The holder keeps the request until its balance
+    # price makes an idle replica's recompute cheaper; at a slack over 1.5 it pays none,
+    # and only the others' credit can move the request.
+    pol = policy("cache_aware", balance_tokens=balance, balance_window=1, balance_slack=slack)
     assert isinstance(pol, CacheAware)
     pol.busy.counts["r0"] = 4.0
     pol.busy.decisions = 1  # a full window of history: the price at full weight
     choice = pol.choose(request([0, 0, 0, 0], [8, 0, 0, 0], uncached=[1, 128, 128, 128]))
-    stay, move = 1.5 + 1.5 * balance, 192.0 - 0.5 * balance
+    stay, move = 1.5 + max(0.0, 1.5 - slack) * balance, 192.0 - 0.5 * balance
     if stay < move - TIE:
         assert choice.replica_id == "r0"
         assert choice.reason.startswith("prefix_match cost: r0 predicted 1 ms (matched 8/8")
@@ -327,7 +333,8 @@ def test_the_balance_price_seeds_idle_replicas_with_a_hot_prefix() -> None:
     # busy at every decision, the others at none, a prior of 4 each) priced 256 tokens a
     # unit never pays for one ...
     assert len(run(256.0)) == 1
-    # ... priced 2,048 it does, until all four hold the prompt and take a quarter each.
+    # ... priced 2,048 it does, until all four hold the prompt and take about a quarter
+    # each (within the slack: busy up to 1.25× the mean is not priced).
     spread = run(2048.0)
     assert set(spread) == set(IDS)
-    assert max(spread.values()) <= 51, spread
+    assert max(spread.values()) <= 55, spread
