@@ -244,118 +244,131 @@ class CacheAware(Policy):
         self.busy = BusyShare(config.balance_window)
 
     def choose(self, request: RouteInput) -> Choice:
-        # One plain pass for the predictions; every request runs this (route() latency,
-        # docs/BENCHMARKS.md).
+        # One plain pass over the candidates, by position (no per-replica dicts): every
+        # request runs this (route() latency, docs/BENCHMARKS.md).
         candidates = request.candidates
-        open_ = self.under_cap(candidates)
-        predicted: dict[str, float] = {}
-        score: dict[str, float] = {}  # the prediction plus the extra price of recomputing
-        weight = self.config.recompute_weight - 1.0
-        parts = self.config.decode_fixed_parts
-        best = cheapest = math.inf
-        longest = candidates[0]
+        config = self.config
+        weight = config.recompute_weight - 1.0
+        parts = config.decode_fixed_parts
         # Busy ratios (router/load.py, BusyShare), priced only while some candidate is
         # idle (with none idle, the queue terms balance); recorded at every decision.
-        on = self.config.balance_tokens > 0
+        on = config.balance_tokens > 0
         share = self.busy
         busy = [c.replica_id for c in candidates if c.load] if on else []
-        balance = 0.0
+        balance = prior = per_mean = over = 0.0
+        counts = share.counts
         if on and len(busy) < len(candidates):
-            balance = self.config.balance_tokens * share.weight
+            balance = config.balance_tokens * share.weight
             prior, per_mean = share.terms([c.replica_id for c in candidates])
-            counts = share.counts
-            over = 1.0 + self.config.balance_slack  # priced above this ratio
-        plain: dict[str, float] = {}  # the score without the balance price
+            over = 1.0 + config.balance_slack  # priced above this ratio
+        predicted: list[float] = []
+        score: list[float] = []  # the prediction plus the prices (recompute, decode, balance)
+        plain: list[float] = []  # the score without the balance price
+        longest = candidates[0]
+        most_queued = most_uncached = total_queued = 0
         for c in candidates:
-            work = c.queued + c.uncached + c.swap_tokens
-            predicted[c.replica_id] = c.fixed_s + work * c.cost + c.load * c.running_s
-            price = weight * c.uncached + c.load * c.decode_tokens
-            base = predicted[c.replica_id] + price * c.cost + c.load * parts * c.fixed_s
+            load, cost, uncached, queued = c.load, c.cost, c.uncached, c.queued
+            p = c.fixed_s + (queued + uncached + c.swap_tokens) * cost + load * c.running_s
+            predicted.append(p)
+            base = p + (weight * uncached + load * c.decode_tokens) * cost
+            base += load * parts * c.fixed_s
             if balance:
-                plain[c.replica_id] = base
+                plain.append(base)
                 ratio = (counts.get(c.replica_id, 0.0) + prior) * per_mean
                 if ratio > over:
-                    base += balance * (ratio - over) * c.cost
-                elif ratio < 1.0 and not c.load:  # credit only an idle replica (no magnet)
-                    base += balance * (ratio - 1.0) * c.cost
-            score[c.replica_id] = base
+                    base += balance * (ratio - over) * cost
+                elif ratio < 1.0 and not load:  # credit only an idle replica (no magnet)
+                    base += balance * (ratio - 1.0) * cost
+            score.append(base)
             if c.matched > longest.matched:
                 longest = c
-        unbalanced = longest  # the choice without the balance price (when priced)
-        plain_best = math.inf
-        for c in open_:
-            if score[c.replica_id] < best:
-                best = score[c.replica_id]
-            if c.cost < cheapest:
-                cheapest = c.cost
-            if balance and plain[c.replica_id] < plain_best:
-                plain_best, unbalanced = plain[c.replica_id], c
+            total_queued += queued
+            if queued > most_queued:
+                most_queued = queued
+            if uncached > most_uncached:
+                most_uncached = uncached
+        open_ = self.under_cap(candidates, most_queued, most_uncached, total_queued)
+        best = cheapest = plain_best = math.inf
+        unbalanced = 0  # the choice without the balance price (when priced)
+        for i in open_:
+            if score[i] < best:
+                best = score[i]
+            if candidates[i].cost < cheapest:
+                cheapest = candidates[i].cost
+            if balance and plain[i] < plain_best:
+                plain_best, unbalanced = plain[i], i
         limit = best + self.TIE_TOKENS * cheapest
-        tied = [c for c in open_ if score[c.replica_id] <= limit]
-        chosen = tied[0] if len(tied) == 1 else self.tie_break(tied, request)
+        tied = [i for i in open_ if score[i] <= limit]
+        at = tied[0] if len(tied) == 1 else self.tie_break(candidates, tied, request)
+        chosen = candidates[at]
         kind = "spill" if longest.matched > chosen.matched else "prefix_match"
         if kind == "prefix_match" and not chosen.matched:
             kind = "no_match"
         if on:
-            if balance and plain[chosen.replica_id] > plain_best + self.TIE_TOKENS * cheapest:
+            if balance and plain[at] > plain_best + self.TIE_TOKENS * cheapest:
                 # Without the balance price another replica would have won: it decided.
                 ratios = share.ratios([c.replica_id for c in candidates])
-                reason = f"{kind} balance: {_said(chosen, predicted, request, ratios)}"
-                reason += f", {_said(unbalanced, predicted, request, ratios)}"
+                reason = f"{kind} balance: {_said(chosen, predicted[at], request, ratios)}"
+                other = candidates[unbalanced]
+                reason += f", {_said(other, predicted[unbalanced], request, ratios)}"
                 share.decided(busy, chosen.replica_id, len(candidates))
                 return Choice(chosen.replica_id, reason)
             share.decided(busy, chosen.replica_id, len(candidates))
-        other: Candidate | None = longest
-        if kind != "spill":
-            other = None
-            for c in candidates:
-                if c is not chosen and (other is None or _sooner(score, c, other)):
-                    other = c
-        reason = f"{kind} cost: {_said(chosen, predicted, request)}"
-        if other is not None:
-            reason += f", {_said(other, predicted, request)}"
+        second: int | None = None  # the runner-up the reason names
+        if kind == "spill":
+            second = candidates.index(longest)
+        else:
+            for i in range(len(candidates)):
+                if i != at and (second is None or score[i] < score[second]):
+                    second = i
+        reason = f"{kind} cost: {_said(chosen, predicted[at], request)}"
+        if second is not None:
+            reason += f", {_said(candidates[second], predicted[second], request)}"
         return Choice(chosen.replica_id, reason)
 
-    def under_cap(self, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
-        """The candidates whose queue is within ``queue_cap`` × (the others' mean queue
-        + the prompt's tokens); all of them if none is."""
+    def under_cap(
+        self, candidates: Sequence[Candidate], most_queued: int, prompt: int, total: int
+    ) -> Sequence[int]:
+        """The positions of the candidates whose queue is within ``queue_cap`` × (the
+        others' mean queue + the prompt's tokens); all of them if none is. ``prompt``:
+        the most uncached tokens among them; ``total``: their queues' sum."""
         n = len(candidates)
-        prompt = max(c.uncached for c in candidates)
         cap = self.config.queue_cap
-        if n == 1 or max(c.queued for c in candidates) <= cap * prompt:
-            return candidates  # nobody can be over the cap
-        total = sum(c.queued for c in candidates)
-        open_ = [c for c in candidates if c.queued <= cap * ((total - c.queued) / (n - 1) + prompt)]
-        return open_ or candidates
+        everyone = range(n)
+        if n == 1 or most_queued <= cap * prompt:
+            return everyone  # nobody can be over the cap
+        open_ = [
+            i
+            for i, c in enumerate(candidates)
+            if c.queued <= cap * ((total - c.queued) / (n - 1) + prompt)
+        ]
+        return open_ or everyone
 
-    def tie_break(self, tied: Sequence[Candidate], request: RouteInput) -> Candidate:
+    def tie_break(
+        self, candidates: Sequence[Candidate], tied: Sequence[int], request: RouteInput
+    ) -> int:
+        """The position of the tied candidate the ring (then load, then the seeded
+        generator) prefers."""
         key = request.conversation_key
         if key is None and request.last_key is not None:
             key = request.last_key.hex()
         if key is not None:
-            ranked = self.ring.rank(key, {c.replica_id for c in tied})
+            ranked = self.ring.rank(key, {candidates[i].replica_id for i in tied})
             if ranked is not None:
-                return next(c for c in tied if c.replica_id == ranked)
-        return self.least_loaded(tied)
-
-
-def _by_match(candidate: Candidate) -> int:
-    return candidate.matched
-
-
-def _sooner(predicted: Mapping[str, float], a: Candidate, b: Candidate) -> bool:
-    return predicted[a.replica_id] < predicted[b.replica_id]
+                return next(i for i in tied if candidates[i].replica_id == ranked)
+        low = min(candidates[i].load for i in tied)
+        return self.rng.choice([i for i in tied if candidates[i].load == low])
 
 
 def _said(
     c: Candidate,
-    predicted: Mapping[str, float],
+    predicted_s: float,
     request: RouteInput,
     ratio: Mapping[str, float] | None = None,
 ) -> str:
     """One candidate's prediction as the reason states it (``ratio``: with its recent
     busy time over the mean)."""
-    text = f"{c.replica_id} predicted {predicted[c.replica_id] * 1000:,.0f} ms"
+    text = f"{c.replica_id} predicted {predicted_s * 1000:,.0f} ms"
     parts = [f"matched {c.matched}/{request.total_blocks}"] if c.matched else []
     if c.queued:
         parts.append(f"queued {c.queued:,} tok")

@@ -225,6 +225,7 @@ class Router:
             index.fold()  # nobody folded lately (no request finished, no sweep): catch up
         matches = index.depths(index.lookup(short))
         cluster = self.cluster_cost
+        per_token, per_running, fixed = cluster.s_per_token, cluster.s_per_running, cluster.fixed_s
         swap = self.config.swap_in_token_cost
         decode = self.config.decode_tokens_per_request
         candidates = []
@@ -232,19 +233,20 @@ class Router:
             matched = matches.get(v.replica_id, 0)
             length = len(short) * v.block_size if prompt_tokens is None else prompt_tokens
             k = v.speed.factor
+            load = v.load
             candidates.append(
                 Candidate(
                     v.replica_id,
-                    v.load.load,
+                    load.load,
                     matched,
-                    v.load.queued,
+                    load.queued,
                     max(1, length - matched * v.block_size),  # at least one token computed
-                    cluster.s_per_token * k,
-                    cluster.s_per_running * k,
+                    per_token * k,
+                    per_running * k,
                     swap * index.host_blocks(v.replica_id, short[:matched]) * v.block_size
                     if matched
                     else 0.0,
-                    cluster.fixed_s * k,
+                    fixed * k,
                     decode,
                 )
             )
