@@ -369,22 +369,31 @@ def experiment_name(workload: str, cfg: LiveConfig) -> str:
     return f"live: {workload}, {cfg.replicas} × {cfg.model}"
 
 
+def live_workload(name: str, scale: int, seed: int, model: str, fraction: float) -> Workload:
+    """One live workload (``live_params(name, scale)``), its prompts as sent to
+    ``model`` and the cache size that holds ``fraction`` of it."""
+    from loadtest.workloads import generate
+
+    params = live_params(name, scale)
+    if name == skewed_docs.KIND:
+        sessions = skewed_docs.generate(seed=seed, **params)
+    else:
+        sessions = generate(name, seed=seed, **params)
+    prompts = live_prompts(sessions, model)
+    sizing = size_cache(sessions, prompts, model, fraction)
+    keys = name != skewed_docs.KIND  # plain API clients send no conversation id
+    return Workload(name, sessions, prompts, sizing, keys)
+
+
 def prepare(cfg: LiveConfig) -> list[Workload]:
     """Generate every workload (saved beside the results), its prompts and cache size."""
-    from loadtest.workloads import generate, save_jsonl
+    from loadtest.workloads import save_jsonl
 
     out = []
     for name in cfg.workloads:
-        params = live_params(name, cfg.scale)
-        if name == skewed_docs.KIND:
-            sessions = skewed_docs.generate(seed=cfg.seed, **params)
-        else:
-            sessions = generate(name, seed=cfg.seed, **params)
-        save_jsonl(sessions, cfg.out_dir / f"workload-{name}.jsonl")
-        prompts = live_prompts(sessions, cfg.model)
-        sizing = size_cache(sessions, prompts, cfg.model, cfg.fraction)
-        keys = name != skewed_docs.KIND  # plain API clients send no conversation id
-        out.append(Workload(name, sessions, prompts, sizing, keys))
+        workload = live_workload(name, cfg.scale, cfg.seed, cfg.model, cfg.fraction)
+        save_jsonl(workload.sessions, cfg.out_dir / f"workload-{name}.jsonl")
+        out.append(workload)
     return out
 
 
