@@ -4,8 +4,9 @@
 Events are ``(time, tie, kind, payload)`` on one heap; ``tie`` keeps equal times in push
 order, so a run is deterministic. Kinds: ``turn`` (a conversation sends its next turn),
 ``prefill_done`` (a replica's prefill ends), ``first_token`` (the router hears the
-first byte), ``decode_done`` (a replica's first running reply ends; ignored when the
-replica rescheduled since). The router's ``sweep`` runs at most once per simulated
+first byte), ``decode_done`` (a replica's first running reply ends; dropped unseen when
+the replica rescheduled since, so that it moves no clock: the run's total time is its
+last real event's). The router's ``sweep`` runs at most once per simulated
 second.
 
 Open loop: each session starts at its arrival time. Closed loop (as the replay client):
@@ -105,6 +106,8 @@ class SimCluster:
     def run(self) -> None:
         while self.events:
             at, _tie, kind, payload = heapq.heappop(self.events)
+            if kind == "decode_done" and payload[0].version != payload[1]:
+                continue  # rescheduled since: it happens at another time, or not at all
             for replica in self.replicas:
                 if replica.busy:
                     replica.busy_s += at - self.now
@@ -116,9 +119,7 @@ class SimCluster:
             elif kind == "first_token":
                 self.router.first_byte(payload)
             elif kind == "decode_done":
-                replica, version = payload
-                if replica.version == version:
-                    self._decode_done(replica)
+                self._decode_done(payload[0])
             if self.now - self.last_sweep >= 1.0:
                 self.router.sweep()
                 self.last_sweep = self.now
@@ -153,16 +154,15 @@ class SimCluster:
         self._start_prefill(replica)
 
     def _start_prefill(self, replica: SimReplica) -> None:
-        request = replica.start_prefill()
-        if request is None:
+        started = replica.start_prefill(self.now, self.cost)
+        if started is None:
             return
+        request, took = started
         self.prompt_tokens += len(request.tokens)
         self.cached_tokens += request.cached
         self.host_cached_tokens += request.host_cached
-        uncached = len(request.tokens) - request.cached
-        took = self.cost.prefill_s(uncached, replica.scale)
-        took += self.cost.swap_in_s(request.swapped_blocks, replica.scale)
         self._push(self.now + took, "prefill_done", replica)
+        self._reschedule(replica)  # the batch decodes at the prefill's step rate meanwhile
 
     def _prefill_done(self, replica: SimReplica) -> None:
         request = replica.finish_prefill(self.now, self.cost)

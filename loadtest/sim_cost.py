@@ -7,6 +7,9 @@ step ≈ 70 ms; see docs/BENCHMARKS.md, "Router: Simulation"):
 * decode runs as one continuous batch: a step advances every running request by one
   token and takes ``decode_s_per_token · (1 + batch_marginal · (b/scale − 1)⁺)`` for b
   running, so batching makes tokens cheaper but not free.
+* a prefill runs in steps of at most ``prefill_chunk`` tokens, and each of those steps
+  also advances the decode batch by one token (chunked prefill, as the engine's
+  scheduler runs it): a prompt's prefill slows the replies running beside it.
 
 * a prefix found on the replica's host KV tier is copied back before the prefill:
   ``swap_in_s_per_block`` per block (0 by default: a CPU replica's copy is a memcpy,
@@ -19,6 +22,7 @@ larger for the same step time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -28,6 +32,7 @@ class CostModel:
     decode_s_per_token: float = 0.070
     batch_marginal: float = 0.15
     swap_in_s_per_block: float = 0.0
+    prefill_chunk: int = 512  # the engine's --max-prefill-tokens (tokens per step)
 
     def prefill_s(self, tokens: int, scale: float = 1.0) -> float:
         """Seconds to prefill ``tokens`` uncached prompt tokens."""
@@ -41,3 +46,8 @@ class CostModel:
     def swap_in_s(self, blocks: int, scale: float = 1.0) -> float:
         """Seconds to copy ``blocks`` blocks from the host tier to the device."""
         return blocks * self.swap_in_s_per_block / scale
+
+    def prefill_steps(self, tokens: int, scale: float = 1.0) -> int:
+        """Steps a prefill of ``tokens`` uncached tokens takes (at least one; ``scale``×
+        the compute takes ``scale``× the tokens a step)."""
+        return max(1, math.ceil(tokens / (self.prefill_chunk * scale)))

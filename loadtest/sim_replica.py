@@ -4,10 +4,13 @@ the real ``PrefixCache`` whose events reach the router as Redis would deliver th
 * Prefill is serial and FIFO. A request's prefix match happens when its prefill starts
   (as in a real scheduler); blocks for prompt + reply are reserved then, and the head of
   the queue waits while they do not fit (a running request will release some).
-* Decode runs beside the prefill (chunked prefill overlaps it) as one continuous batch.
-  The batch is fluid: ``progress`` (V) is how many tokens each running request has
-  advanced; a request joining at V with an n-token reply ends at V + n, so ``running``
-  is a heap by end. A request's first token comes one decode step after its prefill.
+* Decode runs as one continuous batch, in the same steps as the prefill: a prefill
+  starts when the step under way ends, runs ``CostModel.prefill_steps`` steps, and the
+  batch advances one token per step meanwhile (chunked prefill: the steps take the
+  prefill's time, so a prompt slows the replies beside it, as on the engine). The batch
+  is fluid: ``progress`` (V) is how many tokens each running request has advanced; a
+  request joining at V with an n-token reply ends at V + n − 1 (its first token comes
+  from its prefill's last step), so ``running`` is a heap by end.
 * When a reply ends, prompt + reply are committed to the cache and the blocks released
   (tail first, as the engine does).
 * With a host tier (``host_blocks``), the cache demotes evicted blocks there and a match
@@ -111,13 +114,16 @@ class SimReplica:
     requests: int = 0
     busy_s: float = 0.0  # time with a prefill or a decode batch running
     unpaid_swap_blocks: int = 0  # promoted for a prefill that could not start yet
+    prefill_step_s: float = 0.0  # while prefilling: seconds per decode token of the batch
 
     @property
     def busy(self) -> bool:
         return self.prefilling is not None or bool(self.running)
 
-    def start_prefill(self) -> SimRequest | None:
-        """Start prefilling the queue's head if none is prefilling and its blocks fit."""
+    def start_prefill(self, now: float, cost: CostModel) -> tuple[SimRequest, float] | None:
+        """Start prefilling the queue's head if none is prefilling and its blocks fit;
+        returns it and how long until its first token (the rest of the step under way,
+        then its prefill and any copy from the host tier)."""
         if self.prefilling is not None or not self.queue:
             return None
         request = self.queue[0]
@@ -146,18 +152,28 @@ class SimReplica:
         request.cached = match.cached_tokens
         request.host_cached = host_tokens
         request.swapped_blocks, self.unpaid_swap_blocks = self.unpaid_swap_blocks, 0
+        self.advance(now, cost)  # the batch's progress so far, at its decode rate
+        rest = 0.0  # of the step under way, in decode tokens
+        if self.running:  # on a boundary the next step has begun: requests take time to come
+            rest = math.floor(self.progress + 1e-9) + 1.0 - self.progress
+        uncached = n - request.cached
+        took = rest * cost.step_s(len(self.running), self.scale) if self.running else 0.0
+        took += cost.prefill_s(uncached, self.scale)
+        took += cost.swap_in_s(request.swapped_blocks, self.scale)
+        self.prefill_step_s = took / (rest + cost.prefill_steps(uncached, self.scale))
         self.prefilling = request
-        return request
+        return request, took
 
     def finish_prefill(self, now: float, cost: CostModel) -> SimRequest:
-        """Commit the prompt and move the request into the decode batch."""
+        """Commit the prompt and move the request into the decode batch: its prefill's
+        last step gave its first token."""
         request = self.prefilling
         assert request is not None
+        self.advance(now, cost)  # at the prefill's step rate
         self.prefilling = None
         self.cache.commit(request.tokens, request.block_ids)
-        self.advance(now, cost)
-        request.first_token_at = now + cost.step_s(len(self.running) + 1, self.scale)
-        end = self.progress + len(request.reply)
+        request.first_token_at = now
+        end = self.progress + max(0, len(request.reply) - 1)
         heapq.heappush(self.running, (end, id(request), request))
         return request
 
@@ -171,11 +187,17 @@ class SimReplica:
         self.cache.release(request.block_ids)
         return request
 
+    def token_s(self, cost: CostModel) -> float:
+        """Seconds per token of the decode batch now: a decode step, or while a prompt
+        prefills, one of its steps."""
+        if self.prefilling is not None:
+            return self.prefill_step_s
+        return cost.step_s(len(self.running), self.scale)
+
     def advance(self, now: float, cost: CostModel) -> None:
         """Move the fluid batch's progress V up to ``now``."""
         if self.running:
-            step = cost.step_s(len(self.running), self.scale)
-            self.progress += (now - self.progress_at) / step
+            self.progress += (now - self.progress_at) / self.token_s(cost)
         self.progress_at = now
 
     def reschedule(self, now: float, cost: CostModel) -> float | None:
@@ -183,6 +205,5 @@ class SimReplica:
         self.version += 1
         if not self.running:
             return None
-        step = cost.step_s(len(self.running), self.scale)
         left = max(0.0, self.running[0][0] - self.progress)
-        return now + left * step
+        return now + left * self.token_s(cost)

@@ -47,10 +47,10 @@ class ProfileCost(CostModel):
 
     profile: SimProfile = field(default_factory=lambda: builtin_profiles()["llama3.1-8b-h100"])
     mean_context: int = 1024
-    chunk: int = PREFILL_CHUNK
+    prefill_chunk: int = PREFILL_CHUNK
 
     def prefill_s(self, tokens: int, scale: float = 1.0) -> float:
-        return self.profile.prefill_s(max(1, tokens), chunk=self.chunk) / scale
+        return self.profile.prefill_s(max(1, tokens), chunk=self.prefill_chunk) / scale
 
     def step_s(self, batch: int, scale: float = 1.0) -> float:
         return self.profile.decode_step_s(batch, batch * self.mean_context) / scale

@@ -20,11 +20,12 @@ def test_profile_cost_is_the_profiles_step_function() -> None:
     assert cost.step_s(16) > cost.step_s(1) >= A100.weights_s
 
 
-def test_one_request_alone_takes_its_prefill_and_one_step() -> None:
+def test_one_request_alone_takes_its_prefill() -> None:
+    # Its first token comes from its prefill's last step, as on the engine.
     words = " ".join(f"w{i}" for i in range(700))
     session = Session("s", "test", words, [Turn("a question", 4)])
     cost = ProfileCost(profile=A100, mean_context=700)
     result = simulate([session], "round_robin", 1, 4096, cost, think_s=0.0, concurrency=1)
     prompt = 700 + 2  # one id per word in the simulator's tokenizer
-    expected = cost.prefill_s(prompt) + cost.step_s(1)
+    expected = cost.prefill_s(prompt)
     assert result.requests == 1 and result.ttft_p50_s == pytest.approx(expected)

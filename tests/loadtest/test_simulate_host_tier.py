@@ -60,7 +60,8 @@ def test_a_host_hit_is_promoted_and_its_copy_time_charged() -> None:
     cached = 800
     host = sim.host_cached_tokens
     assert host == promoted * B and 0 < host < cached
-    expected = cost.prefill_s(prompt - cached) + cost.swap_in_s(promoted) + cost.step_s(1)
+    # Alone on the replica (concurrency 1): its first token ends its prefill's last step.
+    expected = cost.prefill_s(prompt - cached) + cost.swap_in_s(promoted)
     assert sim.ttfts[2] == pytest.approx(expected, rel=1e-12)
     assert cost.swap_in_s(promoted) == A100.swap_in_s(promoted, B)
     assert sim.cached_tokens == cached  # a and b found nothing
@@ -73,7 +74,7 @@ def test_without_a_host_tier_the_evicted_part_is_computed_again() -> None:
     assert stats.host_total_blocks == 0 and sim.host_cached_tokens == 0
     head = sim.cached_tokens  # only the head blocks a left on the device
     assert 0 < head < 800 and head % B == 0
-    assert sim.ttfts[2] == pytest.approx(cost.prefill_s(802 - head) + cost.step_s(1), rel=1e-12)
+    assert sim.ttfts[2] == pytest.approx(cost.prefill_s(802 - head), rel=1e-12)
     with_tier = run(host_blocks=64)
     assert with_tier.ttfts[2] < sim.ttfts[2]  # copying back beats recomputing
 
