@@ -10,8 +10,8 @@ every workload (the largest that holds ``--fraction`` of one, as the live bench 
 it), the same closed loop (``--concurrency`` sessions, no think time) and the device
 model of ``benchmarks/sim_live.sh`` (``--profile`` with every cost constant ×
 ``--slowdown``; ``loadtest.sim_validate.ProfileCost``). For comparing router settings
-before a live run, not in place of one: the simulator's engine decodes beside a prefill
-for free (docs/BENCHMARKS.md, "Simulated engine"), and a live run has timing noise.
+before a live run, not in place of one: the live figures also hold this machine's
+HTTP and tokenizing time (docs/BENCHMARKS.md, "Simulated engine"), and timing noise.
 
 Each ``--option NAME=VALUE`` is one router setting to compare (``default``: none); each
 row prints hit rate, TTFT p50 and mean, total time, max/mean busy time and requests.
