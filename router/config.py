@@ -43,8 +43,9 @@ class RouterConfig:
     share of the prefixes is not pushed to give it away. With fewer hot prefixes than
     replicas (8 agent types on 16 replicas) each holder runs ~1.7× the mean busy time
     while the others idle; priced from the mean, holders copied their tool prompts to
-    idle replicas (2,000-token recomputes at a session's start): 23.4 s in total
-    against 21.0 s with this slack (docs/BENCHMARKS.md, "Balance slack")."""
+    idle replicas (2,000-token recomputes at a session's start): live, agents took 10%
+    longer than with sglang-router (3% with this slack; docs/BENCHMARKS.md, "Balance
+    slack")."""
     balance_window: float = 32.0
     """The balance price's memory: about this many recent routing decisions per
     replica (and each replica's prior, so the first decisions do not swing it)."""
