@@ -37,14 +37,21 @@ class Cluster:
     run_dir: Path
     base_url: str
 
-    def replica_urls(self) -> dict[str, str]:
-        """From the ``pids`` file ``prefixgate up`` keeps: ``name pid port`` per line."""
-        urls = {}
+    def children(self) -> list[tuple[str, int, int]]:
+        """``(name, pid, port)`` of every child of ``prefixgate up`` (redis, replica-<i>,
+        gateway), from the ``pids`` file it keeps: ``name pid port`` per line."""
+        out = []
         for line in (self.run_dir / "pids").read_text().splitlines():
-            name, _pid, port = line.split()
-            if name.startswith("replica"):
-                urls[name] = f"http://127.0.0.1:{port}"
-        return urls
+            name, pid, port = line.split()
+            out.append((name, int(pid), int(port)))
+        return out
+
+    def replica_urls(self) -> dict[str, str]:
+        return {
+            name: f"http://127.0.0.1:{port}"
+            for name, _pid, port in self.children()
+            if name.startswith("replica")
+        }
 
     def names_by_address(self) -> dict[str, str]:
         """``host:port`` → replica name: the gateway may name a replica either way."""
@@ -58,17 +65,12 @@ class Cluster:
         return stats
 
     def pids(self) -> dict[str, int]:
-        """Every child of ``prefixgate up`` by name (redis, replica-<i>, gateway)."""
-        out = {}
-        for line in (self.run_dir / "pids").read_text().splitlines():
-            name, pid, _port = line.split()
-            out[name] = int(pid)
-        return out
+        """Every child of ``prefixgate up`` by name."""
+        return {name: pid for name, pid, _port in self.children()}
 
     def redis_url(self) -> str:
         """The embedded Redis that the replicas publish to and the gateway follows."""
-        for line in (self.run_dir / "pids").read_text().splitlines():
-            name, _pid, port = line.split()
+        for name, _pid, port in self.children():
             if name == "redis":
                 return f"redis://127.0.0.1:{port}/0"
         raise RuntimeError("the cluster has no embedded Redis")

@@ -27,7 +27,7 @@ from typing import NamedTuple
 from loadtest.live import Workload, live_workload
 from loadtest.sim_validate import ProfileCost
 from loadtest.simulate import SimResult, simulate
-from replica.sim.profile import COST_FIELDS
+from replica.sim.profile import COST_FIELDS, SimProfile
 from replica.sim.profiles import load_profile
 from router.config import RouterConfig, with_options
 
@@ -62,12 +62,12 @@ def replay(
     replicas: int,
     blocks: int,
     concurrency: int,
-    cost: ProfileCost,
+    profile: SimProfile,
 ) -> Row:
     """One workload under one policy and router setting."""
     config = with_options(RouterConfig(), [] if option == "default" else [option])
     lengths = [len(p) for session in workload.prompts for p in session]
-    device = ProfileCost(profile=cost.profile, mean_context=int(statistics.fmean(lengths)))
+    device = ProfileCost(profile=profile, mean_context=int(statistics.fmean(lengths)))
     result = simulate(
         workload.sessions,
         policy,
@@ -101,7 +101,6 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     profile = profile.with_overrides(
         **{f: getattr(profile, f) * args.slowdown for f in COST_FIELDS}
     )
-    cost = ProfileCost(profile=profile)
     options = ["default", *args.option]
     rows = []
     for seed in args.seeds:
@@ -121,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
                         replicas=args.replicas,
                         blocks=blocks,
                         concurrency=args.concurrency or max(8, args.replicas),
-                        cost=cost,
+                        profile=profile,
                     )
                     print(row.line(), flush=True)
                     rows.append(row)

@@ -11,8 +11,9 @@ from loadtest.sim_cost import CostModel
 from loadtest.workloads import Session, Turn
 
 # 1 ms a prefill token in steps of up to 500 tokens, 100 ms a decode step at any batch.
-COST = CostModel(prefill_s_per_token=0.001, decode_s_per_token=0.1, batch_marginal=0.0)
-COST.prefill_chunk = 500
+COST = CostModel(
+    prefill_s_per_token=0.001, decode_s_per_token=0.1, batch_marginal=0.0, prefill_chunk=500
+)
 
 
 def words(prefix: str, n: int) -> str:
