@@ -23,7 +23,7 @@ from typing import Any
 
 from loadtest.sim_client import BLOCK_SIZE, MODEL_ID, Conversation, WordTokenizer, reply_tokens
 from loadtest.sim_cost import CostModel
-from loadtest.sim_replica import BlockCounter, RouterFeed, SimReplica, SimRequest
+from loadtest.sim_replica import BlockCounter, FanOut, RouterFeed, SimReplica, SimRequest
 from loadtest.workloads import Session
 from replica.prefix_cache import PrefixCache
 from router.config import RouterConfig
@@ -49,10 +49,14 @@ class SimCluster:
         conversation_keys: bool = True,
         host_blocks_per_replica: int = 0,
         replica_ids: Sequence[str] | None = None,
+        shared_cache: bool = False,
     ) -> None:
         """``replica_ids``: the replicas' names (default ``replica-<i>``). The router's
         conversation ring hashes them, so a run that must place conversations as a live
-        cluster does uses the live replicas' ids."""
+        cluster does uses the live replicas' ids. ``shared_cache``: one cache of N×
+        ``blocks_per_replica`` that every replica reads and fills, each its own compute
+        (a reference no router can reach: what partitioning the cache costs, apart
+        from pooling the compute, which the oracle also does)."""
         if replica_ids is not None and len(replica_ids) != n_replicas:
             raise ValueError(f"{len(replica_ids)} replica ids for {n_replicas} replicas")
         self.now = 0.0
@@ -63,11 +67,22 @@ class SimCluster:
         self.replicas: list[SimReplica] = []
         ids = list(replica_ids) if replica_ids is not None else None
         self.index_of: dict[str, int] = {}
-        for i in range(n_replicas):
-            rid = ids[i] if ids is not None else f"replica-{i}"
+        rids = [ids[i] if ids is not None else f"replica-{i}" for i in range(n_replicas)]
+        shared = None
+        if shared_cache:
+            feeds = FanOut([RouterFeed(self.router, rid) for rid in rids])
+            shared = PrefixCache(
+                blocks_per_replica * n_replicas,
+                BLOCK_SIZE,
+                MODEL_ID,
+                listener=feeds,
+                host_blocks=host_blocks_per_replica * n_replicas,
+                mover=BlockCounter() if host_blocks_per_replica else None,
+            )
+        for i, rid in enumerate(rids):
             self.index_of[rid] = i
             self.router.add_replica(rid, f"sim://{rid}", MODEL_ID, BLOCK_SIZE, static=True)
-            cache = PrefixCache(
+            cache = shared or PrefixCache(
                 blocks_per_replica,
                 BLOCK_SIZE,
                 MODEL_ID,

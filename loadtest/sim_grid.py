@@ -36,7 +36,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "where total time is more than the arrival span)",
     )
     parser.add_argument("--option", action="append", default=[], help="router NAME=VALUE")
+    parser.add_argument(
+        "--shared-cache",
+        default="",
+        help="policies also run on N replicas that share one cache of N× the blocks "
+        "(rows shared:<policy>): each replica's own compute, the oracle's cache. Each "
+        "policy's worst time is then also given against the best of them in the same "
+        "run (what routing leaves, apart from the oracle's pooled compute)",
+    )
     args = parser.parse_args(argv)
+    shared = [p for p in args.shared_cache.split(",") if p]
     config = with_options(RouterConfig(), args.option)
     policies = args.policies.split(",")
     for kind in args.kinds:
@@ -64,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 seed=seed,
                 config=config,
                 conversation_keys=not documents,
+                shared=shared,
             )
             oracle = results[0]
             run = f"N={n} rate x{scale:g} seed {seed}"
@@ -71,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"{kind} {run}: {oracle.requests} requests, {time.perf_counter() - started:.1f} s",
                 flush=True,
             )
+            references = [r.total_time_s for r in results if r.policy.startswith("shared:")]
             for r in results:
                 hit, span = r.hit_rate / oracle.hit_rate, r.total_time_s / oracle.total_time_s
                 print(
@@ -80,15 +91,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"  TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s"
                 )
                 if r is not oracle:
-                    cell = worst.setdefault(r.policy, [(9.0, ""), (0.0, ""), (0.0, "")])
+                    cell = worst.setdefault(r.policy, [(9.0, ""), (0.0, ""), (0.0, ""), (0.0, "")])
                     cell[0] = min(cell[0], (hit, run))
                     cell[1] = max(cell[1], (span, run))
                     cell[2] = max(cell[2], (r.busy_imbalance, run))
-        for policy, ((hit, hit_run), (span, span_run), (busy, busy_run)) in worst.items():
-            print(
+                    if references:
+                        cell[3] = max(cell[3], (r.total_time_s / min(references), run))
+        for policy, cells in worst.items():
+            (hit, hit_run), (span, span_run), (busy, busy_run), (shared_span, shared_run) = cells
+            line = (
                 f"WORST {kind} {policy}: hit {hit:.3f}x oracle ({hit_run}),"
                 f" time {span:.3f}x ({span_run}), max/mean busy {busy:.2f} ({busy_run})"
             )
+            if references:
+                line += f", time {shared_span:.3f}x the best shared cache ({shared_run})"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,26 @@ class RouterFeed:
         self._send("cleared", ())
 
 
+class FanOut:
+    """One shared cache's events to every replica's feed (``SimCluster``'s
+    ``shared_cache``: each replica holds what the cache holds)."""
+
+    def __init__(self, feeds: Sequence[RouterFeed]) -> None:
+        self.feeds = list(feeds)
+
+    def on_stored(self, parent: bytes | None, keys: list[bytes], medium: Medium = "device") -> None:
+        for feed in self.feeds:
+            feed.on_stored(parent, keys, medium)
+
+    def on_removed(self, keys: list[bytes]) -> None:
+        for feed in self.feeds:
+            feed.on_removed(keys)
+
+    def on_cleared(self) -> None:
+        for feed in self.feeds:
+            feed.on_cleared()
+
+
 @dataclass(slots=True)
 class SimReplica:
     replica_id: str

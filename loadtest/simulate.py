@@ -88,6 +88,7 @@ def simulate(
     conversation_keys: bool = True,
     host_blocks_per_replica: int = 0,
     replica_ids: Sequence[str] | None = None,
+    shared_cache: bool = False,
 ) -> SimResult:
     """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``; open loop
     (each session at its arrival time), or closed loop with ``concurrency`` sessions at a
@@ -96,7 +97,8 @@ def simulate(
     its conversation key (False: as clients that send none). ``host_blocks_per_replica``:
     a host KV tier of that many blocks per replica (0: none). ``replica_ids``: the
     replicas' names, which place conversations on the router's ring (default
-    ``replica-<i>``)."""
+    ``replica-<i>``). ``shared_cache``: the replicas share one cache of N× the blocks
+    (``SimCluster``), a reference for what partitioning the cache costs."""
     sim = SimCluster(
         sessions,
         policy,
@@ -112,6 +114,7 @@ def simulate(
         conversation_keys=conversation_keys,
         host_blocks_per_replica=host_blocks_per_replica,
         replica_ids=replica_ids,
+        shared_cache=shared_cache,
     )
     sim.run()
     ttfts = sorted(sim.ttfts)
@@ -122,7 +125,7 @@ def simulate(
     drained = [(v.in_flight, v.load.queued_tokens) for v in sim.router.replicas.values()]
     assert all(d == (0, 0) for d in drained), drained
     return SimResult(
-        policy=policy,
+        policy=f"shared:{policy}" if shared_cache else policy,
         n_replicas=n_replicas,
         blocks_per_replica=blocks_per_replica,
         requests=len(ttfts),
@@ -173,9 +176,11 @@ def run_comparison(
     prompts: Sequence[Sequence[list[int]]] | None = None,
     conversation_keys: bool = True,
     host_blocks_per_replica: int = 0,
+    shared: Sequence[str] = (),
 ) -> list[SimResult]:
     """The oracle (one replica, N× blocks, host blocks and compute) first, then each
-    policy.
+    policy, then each of ``shared`` on N replicas that share one cache (``simulate``'s
+    ``shared_cache``: the oracle's cache, each replica its own compute).
 
     Each replica holds ``cache_fraction`` of the workload's working set unless
     ``blocks_per_replica`` is given."""
@@ -197,7 +202,7 @@ def run_comparison(
     )
     oracle.policy = "oracle"
     results = [oracle]
-    for policy in policies:
+    for policy, shared_cache in [*((p, False) for p in policies), *((p, True) for p in shared)]:
         results.append(
             simulate(
                 sessions,
@@ -212,6 +217,7 @@ def run_comparison(
                 prompts=prompts,
                 conversation_keys=conversation_keys,
                 host_blocks_per_replica=host_blocks_per_replica,
+                shared_cache=shared_cache,
             )
         )
     return results

@@ -173,3 +173,20 @@ def test_skewed_single_turn_documents_routed_without_conversation_keys() -> None
     # Busy time is measured per replica: every replica that took a request was busy.
     rr = results["round_robin"]
     assert all(b > 0 for b in rr.busy_s_per_replica) and rr.busy_imbalance >= 1.0
+
+
+def test_a_shared_cache_gives_every_replica_every_block() -> None:
+    """The shared-cache reference: N replicas, one cache of N× the blocks. Round robin
+    scatters every conversation, yet hits as the oracle does (a block any replica
+    computed is a hit on all), where on partitioned caches it loses to cache_aware."""
+    sessions = small_chat()
+    results = {
+        r.policy: r
+        for r in run_comparison(
+            sessions, ("round_robin", "cache_aware"), n_replicas=4, shared=("round_robin",)
+        )
+    }
+    oracle, shared = results["oracle"], results["shared:round_robin"]
+    assert shared.n_replicas == 4 and min(shared.requests_per_replica) > 0
+    assert shared.hit_rate >= 0.98 * oracle.hit_rate
+    assert shared.hit_rate > results["cache_aware"].hit_rate > results["round_robin"].hit_rate
