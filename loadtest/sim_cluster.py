@@ -27,7 +27,7 @@ from loadtest.sim_replica import BlockCounter, FanOut, RouterFeed, SimReplica, S
 from loadtest.workloads import Session
 from replica.prefix_cache import PrefixCache
 from router.config import RouterConfig
-from router.protocol import block_keys, root_key
+from router.protocol import Snapshot, block_keys, root_key
 from router.router import Router
 
 
@@ -82,6 +82,9 @@ class SimCluster:
         for i, rid in enumerate(rids):
             self.index_of[rid] = i
             self.router.add_replica(rid, f"sim://{rid}", MODEL_ID, BLOCK_SIZE, static=True)
+            # Its start-up snapshot, as a live replica writes one: the router knows from
+            # the first request on that the replica publishes events.
+            self.router.apply_snapshot(rid, Snapshot(0, []))
             cache = shared or PrefixCache(
                 blocks_per_replica,
                 BLOCK_SIZE,

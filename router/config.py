@@ -19,6 +19,17 @@ class RouterConfig:
     recompute_weight: float = 1.5
     """Uncached tokens count this many times in the choice (the queue ahead once): a
     recomputed prefix costs the cluster compute and cache space, a wait does not."""
+    pending_recompute_weight: float = 1.0
+    """A conversation's request (one with a conversation key) counts its uncached
+    tokens this many times instead of ``recompute_weight`` on a replica with nothing in
+    flight while the longest match elsewhere is still being computed (there an
+    optimistic insert that the replica's events have not confirmed): waiting there for
+    the prefix gains no time over computing it here, where the compute would go
+    unused, and a conversation placed behind it shares that replica for all its later
+    turns. A burst of sessions sharing a system or tool prompt would otherwise pair up
+    on the replica that computes it first and wait on each other's steps (live replay
+    at 16 replicas: agents TTFT p50 218 -> 131-147 ms, total time -4%;
+    docs/BENCHMARKS.md, "Pending prefixes"). ``recompute_weight``: off."""
     decode_tokens_per_request: int = 128
     """Decode pressure: each request in flight on a replica is priced as this many
     prefill tokens in the choice (joining it slows every reply there), beyond what it
@@ -98,6 +109,8 @@ class RouterConfig:
             raise ValueError("prefill_s_per_token must be positive")
         if self.recompute_weight < 1:
             raise ValueError("recompute_weight must be at least 1")
+        if not self.pending_recompute_weight >= 1:
+            raise ValueError("pending_recompute_weight must be at least 1")
         if self.decode_tokens_per_request < 0:
             raise ValueError("decode_tokens_per_request must be non-negative")
         if not self.decode_fixed_parts >= 0:

@@ -294,6 +294,17 @@ class PrefixIndex:
         host = blocks.host
         return sum(1 for key in keys if key in host)
 
+    def unconfirmed(self, replica_id: str, key: bytes) -> bool:
+        """Whether the replica holds ``key`` only by an optimistic insert (deferred or
+        tentative) that no event has confirmed yet: for a replica that publishes
+        events, a prefix still being computed there. O(1), no fold."""
+        blocks = self._replicas.get(replica_id)
+        if blocks is None:
+            return False
+        if self._recent.get(key, 0) & (1 << blocks.slot * FIELD_BITS):
+            return True
+        return key in blocks.tentative
+
     def holds(self, replica_id: str, key: bytes) -> bool:
         self.fold()
         blocks = self._replicas.get(replica_id)

@@ -47,6 +47,8 @@ class RouteInput(NamedTuple):
     conversation_key: str | None
     first_key: bytes | None  # the request's first block key (short), when it has one
     last_key: bytes | None = None  # its last full block's key (short)
+    # The longest match is still being computed wherever it is held (Router.route).
+    prefix_pending: bool = False
 
 
 class Choice(NamedTuple):
@@ -187,7 +189,11 @@ class CacheAware(Policy):
 
     two prices beyond this request's own wait: recomputed tokens count
     ``recompute_weight`` times (default 1.5), because recomputing spends the cluster's
-    compute and cache space; and each request in flight there counts
+    compute and cache space (``pending_recompute_weight`` times, default 1, for a
+    conversation's request on a replica with nothing in flight while the longest match
+    is still being computed where it is held: waiting for it gains nothing, the idle
+    compute is free, and the conversation would share that replica for all its turns);
+    and each request in flight there counts
     ``decode_tokens_per_request`` prefill tokens (default 128), because this request's
     decode steps and theirs share the replica: joining a busy replica slows every reply
     there, which its own first token does not show; ``decode_fixed_parts`` (default 0)
@@ -249,6 +255,9 @@ class CacheAware(Policy):
         candidates = request.candidates
         config = self.config
         weight = config.recompute_weight - 1.0
+        idle_weight = weight  # on a candidate with nothing in flight
+        if request.prefix_pending and request.conversation_key is not None:
+            idle_weight = config.pending_recompute_weight - 1.0
         parts = config.decode_fixed_parts
         # Busy ratios (router/load.py, BusyShare), priced only while some candidate is
         # idle (with none idle, the queue terms balance); recorded at every decision.
@@ -270,7 +279,9 @@ class CacheAware(Policy):
             load, cost, uncached, queued = c.load, c.cost, c.uncached, c.queued
             p = c.fixed_s + (queued + uncached + c.swap_tokens) * cost + load * c.running_s
             predicted.append(p)
-            base = p + (weight * uncached + load * c.decode_tokens) * cost
+            base = (
+                p + ((weight if load else idle_weight) * uncached + load * c.decode_tokens) * cost
+            )
             base += load * parts * c.fixed_s
             if balance:
                 plain.append(base)

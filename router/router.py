@@ -256,6 +256,7 @@ class Router:
             conversation_key,
             short[0] if short else None,
             short[-1] if short else None,
+            bool(matches) and self._pending(short, matches),
         )
         choice = self.policy.choose(request)
         chosen = self._replicas[choice.replica_id]
@@ -272,6 +273,21 @@ class Router:
         return Decision(
             choice.replica_id, choice.reason, matched, len(short), picked.uncached, picked.queued
         )
+
+    def _pending(self, short: Sequence[bytes], matches: dict[str, int]) -> bool:
+        """Whether the longest match is still being computed wherever it is held: each
+        replica holding it that deep holds its last block only by an optimistic insert,
+        and publishes events (without events no insert is ever confirmed)."""
+        deepest = max(matches.values())
+        key = short[deepest - 1]
+        for replica_id, depth in matches.items():
+            if depth == deepest:
+                view = self._replicas.get(replica_id)
+                if view is None or not view.publishes_events:
+                    return False
+                if not self.index.unconfirmed(replica_id, key):
+                    return False
+        return True
 
     def add_routed_hook(self, hook: RoutedHook) -> None:
         self._hooks.append(hook)

@@ -158,6 +158,22 @@ def test_deferred_inserts_fold_into_the_same_index_as_eager_ones() -> None:
         assert index.match(chain([0, 0, 1, 1])) == {"a": 2, "b": 1}
 
 
+def test_unconfirmed_is_an_optimistic_insert_no_event_confirmed_yet() -> None:
+    index = PrefixIndex()
+    head, tail = chain([0, 1]), chain([0, 1, 1, 0])
+    index.insert("a", head)  # an event: confirmed
+    index.insert_later("a", tail, tentative_until=5.0, held=2)  # deferred, in the overlay
+    index.insert_later("b", tail, tentative_until=5.0)
+    assert not index.unconfirmed("a", head[1])
+    assert index.unconfirmed("a", tail[3]) and index.unconfirmed("b", head[0])
+    assert not index.unconfirmed("c", head[0])  # unknown replica
+    index.fold()  # now tentative in the replicas' own records: still unconfirmed
+    assert index.unconfirmed("a", tail[3]) and index.unconfirmed("b", tail[3])
+    assert not index.unconfirmed("a", head[0])
+    index.insert("a", tail)  # the event for the rest of the chain
+    assert not index.unconfirmed("a", tail[3]) and index.unconfirmed("b", tail[3])
+
+
 def test_an_update_folds_deferred_inserts_first() -> None:
     index = PrefixIndex()
     index.insert_later("a", chain([0, 1, 1]), tentative_until=5.0)

@@ -118,6 +118,34 @@ def test_ties_without_any_key_go_to_the_least_loaded() -> None:
     assert choice.replica_id == "r2" and choice.reason.startswith("no_match cost: ")
 
 
+@pytest.mark.parametrize("pending", [False, True])
+@pytest.mark.parametrize("conversation", [None, "c"])
+@pytest.mark.parametrize("queue", [200, 240, 260, 400])
+def test_waiting_for_a_pending_prefix_loses_to_computing_it_on_an_idle_replica(
+    queue: int, conversation: str | None, pending: bool
+) -> None:
+    # r0 holds the 500-token prompt head behind ``queue`` tokens (its own computation of
+    # it, or other work) with one request in flight (64 tokens of decode pressure); r1..r3
+    # are idle and would compute all 510. A conversation's recomputed tokens count once
+    # on them while the prefix is still being computed on r0, else 1.5 times.
+    req = request(
+        [1, 0, 0, 0],
+        [8, 0, 0, 0],
+        conversation,
+        queued=[queue, 0, 0, 0],
+        uncached=[10, 510, 510, 510],
+        decode=64,
+    )._replace(prefix_pending=pending)
+    choice = policy("cache_aware").choose(req)
+    stay = queue + 10 + 0.5 * 10 + 64
+    move = 510 * (1.0 if pending and conversation else 1.5)
+    assert abs(stay - move) > TIE  # (no tie in this range)
+    assert (choice.replica_id == "r0") == (stay < move), choice.reason
+    # pending_recompute_weight = recompute_weight: the rule is off.
+    off = policy("cache_aware", pending_recompute_weight=1.5).choose(req)
+    assert (off.replica_id == "r0") == (stay < 1.5 * 510)
+
+
 def test_decode_pressure_counts_each_request_in_flight() -> None:
     # Same prefix on r0 and r1; r0 runs 3 requests, r1 one: 3·64 + 10 > 1·64 + 10.
     req = request([3, 1, 0, 0], [8, 8, 0, 0], uncached=[10, 10, 500, 500], decode=64)

@@ -70,6 +70,38 @@ def test_optimistic_insert_makes_a_burst_stick_and_hooks_see_it() -> None:
     assert seen[0] == (first.replica_id, [k[:16] for k in keys(7, 8)])
 
 
+@pytest.mark.parametrize("publishing", [True, False])
+def test_a_burst_of_conversations_splits_while_their_shared_prefix_is_computed(
+    publishing: bool,
+) -> None:
+    # Two conversations with one 1,024-token system prompt arrive together. The first
+    # goes to some replica, whose optimistic insert makes it the prompt's holder; the
+    # second would wait there behind the prompt's prefill (as long as computing it
+    # itself) and share that replica for all its turns: it goes to an idle one, where
+    # the replicas publish events (else no insert is ever confirmed: it stays).
+    router, _ = make(3)
+    if publishing:
+        for rid in ("r0", "r1", "r2"):
+            router.apply_snapshot(rid, Snapshot(0, []))
+    system = keys(*range(64))
+    first = router.route(system + keys(100), "conv-a")
+    router.request_started(first.replica_id, first.uncached_tokens, first.queued_tokens)
+    second = router.route(system + keys(101), "conv-b")
+    assert second.matched_blocks == (0 if publishing else 64)
+    assert (second.replica_id != first.replica_id) == publishing
+    # Without a conversation key, a third request waits for the prompt (the default
+    # recompute weight): it is one request, not a conversation's home.
+    third = router.route(system + keys(102))
+    assert third.matched_blocks == 64
+    # Once an event confirms the prompt on the first replica, a new conversation joins
+    # a holder: the prefix is computed there, its hit is real.
+    if publishing:
+        stored = tuple(k[:16] for k in system)
+        assert router.apply_event(first.replica_id, BlockEvent(1, "stored", stored))
+        assert router.route(system + keys(103), "conv-c").matched_blocks == 64
+    router.check_invariants()
+
+
 def test_optimistic_inserts_expire_only_for_replicas_that_publish_events() -> None:
     router, clock = make(2, optimistic_ttl_s=5.0)
     router.apply_snapshot("r0", Snapshot(0, []))  # r0 publishes events, r1 never does
