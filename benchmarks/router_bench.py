@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/router_bench.py [--replicas 16] [--blocks 1000000]
 
-Fills the index with ``--blocks`` distinct blocks held by ``--replicas`` replicas
+Fills the index with ``--blocks`` distinct blocks held by ``--replicas`` replicas (each
+publishing events, as live replicas do: its start-up snapshot applied first)
 (chains of 128 blocks, i.e. 2,048-token prompts at block size 16, 10% of them held by
 two replicas), measures index memory with tracemalloc, then times ``Router.route`` for
 2,048-token prompts (128 short keys, precomputed: key hashing is excluded) that reuse a
@@ -39,6 +40,7 @@ from typing import Any
 
 from router.config import RouterConfig, with_options
 from router.index import PrefixIndex
+from router.protocol import Snapshot
 from router.router import Router
 
 CHAIN = 128
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     replica_ids = [f"replica-{i}" for i in range(args.replicas)]
     for rid in replica_ids:
         router.add_replica(rid, f"http://{rid}", static=True)
+        router.apply_snapshot(rid, Snapshot(0, []))  # they publish events, as live ones do
 
     pauses: list[tuple[int, float, float]] = []  # (generation, wall s, CPU s) per collection
     started: list[tuple[float, float]] = []
