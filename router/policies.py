@@ -239,7 +239,8 @@ class CacheAware(Policy):
     the longest match; ``spill``: a longer match elsewhere was predicted slower;
     ``no_match``: nobody holds a block) and states the predictions; ``<kind> balance:``
     when the balance price decided, then with each replica's busy ratio and the one the
-    price without it would have chosen.
+    price without it would have chosen; ``spill pending:`` when an idle replica took a
+    conversation whose longer match is still being computed elsewhere.
     """
 
     name = "cache_aware"
@@ -332,7 +333,10 @@ class CacheAware(Policy):
             for i in range(len(candidates)):
                 if i != at and (second is None or score[i] < score[second]):
                     second = i
-        reason = f"{kind} cost: {_said(chosen, predicted[at], request)}"
+        # "pending": a longer match is still being computed where it is held, and this
+        # idle replica's recompute counted once (pending_recompute_weight).
+        how = "pending" if kind == "spill" and idle_weight != weight and not chosen.load else "cost"
+        reason = f"{kind} {how}: {_said(chosen, predicted[at], request)}"
         if second is not None:
             reason += f", {_said(candidates[second], predicted[second], request)}"
         return Choice(chosen.replica_id, reason)

@@ -141,6 +141,9 @@ def test_waiting_for_a_pending_prefix_loses_to_computing_it_on_an_idle_replica(
     move = 510 * (1.0 if pending and conversation else 1.5)
     assert abs(stay - move) > TIE  # (no tie in this range)
     assert (choice.replica_id == "r0") == (stay < move), choice.reason
+    if choice.replica_id != "r0":  # it says why the longer match lost
+        how = "pending" if pending and conversation else "cost"
+        assert choice.reason.startswith(f"spill {how}: "), choice.reason
     # pending_recompute_weight = recompute_weight: the rule is off.
     off = policy("cache_aware", pending_recompute_weight=1.5).choose(req)
     assert (off.replica_id == "r0") == (stay < 1.5 * 510)

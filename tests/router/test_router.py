@@ -89,6 +89,7 @@ def test_a_burst_of_conversations_splits_while_their_shared_prefix_is_computed(
     second = router.route(system + keys(101), "conv-b")
     assert second.matched_blocks == (0 if publishing else 64)
     assert (second.replica_id != first.replica_id) == publishing
+    assert second.reason.startswith("spill pending: ") == publishing, second.reason
     # Without a conversation key, a third request waits for the prompt (the default
     # recompute weight): it is one request, not a conversation's home.
     third = router.route(system + keys(102))
