@@ -256,7 +256,8 @@ class Router:
             conversation_key,
             short[0] if short else None,
             short[-1] if short else None,
-            bool(matches) and self._pending(short, matches),
+            # Only a conversation's request reads it (CacheAware): skip the lookup for others.
+            conversation_key is not None and bool(matches) and self._pending(short, matches),
         )
         choice = self.policy.choose(request)
         chosen = self._replicas[choice.replica_id]
