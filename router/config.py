@@ -31,6 +31,16 @@ class RouterConfig:
     replicas: agents TTFT p50 235 -> 175 ms, total time 21.0 -> 19.7 s; the cost, at 64:
     every replica computes a shared system prompt once, chat hit rate 0.96 -> 0.94x the
     oracle's; docs/BENCHMARKS.md, "Pending prefixes"). ``recompute_weight``: off."""
+    pending_spare_idle: float = 0.8
+    """The pending-prefix rule holds only while the idle replicas are expected to
+    outnumber the new prompts that will need them: idle × (1 − p_new) ≥ this, p_new
+    being the share of recent decisions (about ``balance_window``, from a prior of one
+    half) whose prompt no replica held. A copy of a prompt being computed takes an idle
+    replica that a prompt nobody holds would otherwise find; while most arrivals bring
+    new prompts (a burst of 4 agent types on 4 replicas), waiting on the holder leaves
+    the idle replicas to them (replayed live agents at 4 replicas: total time 20.9 ->
+    19.6 s; unchanged at 16 and 64 on chat; docs/BENCHMARKS.md, "Spare idle
+    replicas"). 0: the rule holds on any idle replica."""
     decode_tokens_per_request: int = 128
     """Decode pressure: each request in flight on a replica is priced as this many
     prefill tokens in the choice (joining it slows every reply there), beyond what it
@@ -112,6 +122,8 @@ class RouterConfig:
             raise ValueError("recompute_weight must be at least 1")
         if not self.pending_recompute_weight >= 1:
             raise ValueError("pending_recompute_weight must be at least 1")
+        if not self.pending_spare_idle >= 0:
+            raise ValueError("pending_spare_idle must be non-negative")
         if self.decode_tokens_per_request < 0:
             raise ValueError("decode_tokens_per_request must be non-negative")
         if not self.decode_fixed_parts >= 0:

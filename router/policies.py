@@ -249,6 +249,9 @@ class CacheAware(Policy):
     def __init__(self, config: RouterConfig, ring: Ring, rng: random.Random) -> None:
         super().__init__(config, ring, rng)
         self.busy = BusyShare(config.balance_window)
+        # Decayed counts behind p_new (``pending_spare_idle``), from a prior of 1/2.
+        self.keep = 1.0 - 1.0 / config.balance_window
+        self.fresh, self.decisions = 0.5, 1.0
 
     def choose(self, request: RouteInput) -> Choice:
         # One plain pass over the candidates, by position (no per-replica dicts): every
@@ -258,7 +261,9 @@ class CacheAware(Policy):
         weight = config.recompute_weight - 1.0
         idle_weight = weight  # on a candidate with nothing in flight
         if request.prefix_pending and request.conversation_key is not None:
-            idle_weight = config.pending_recompute_weight - 1.0
+            idle = sum(1 for c in candidates if not c.load)
+            if idle * (1.0 - self.fresh / self.decisions) >= config.pending_spare_idle:
+                idle_weight = config.pending_recompute_weight - 1.0
         parts = config.decode_fixed_parts
         # Busy ratios (router/load.py, BusyShare), priced only while some candidate is
         # idle (with none idle, the queue terms balance); recorded at every decision.
@@ -299,6 +304,10 @@ class CacheAware(Policy):
                 most_queued = queued
             if uncached > most_uncached:
                 most_uncached = uncached
+        # The share of recent decisions whose prompt no replica held (pending rule).
+        keep = self.keep
+        self.fresh = self.fresh * keep + (0.0 if longest.matched else 1.0)
+        self.decisions = self.decisions * keep + 1.0
         open_ = self.under_cap(candidates, most_queued, most_uncached, total_queued)
         best = cheapest = plain_best = math.inf
         unbalanced = 0  # the choice without the balance price (when priced)

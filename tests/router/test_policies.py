@@ -149,6 +149,47 @@ def test_waiting_for_a_pending_prefix_loses_to_computing_it_on_an_idle_replica(
     assert (off.replica_id == "r0") == (stay < 1.5 * 510)
 
 
+@pytest.mark.parametrize("idle", [1, 2, 3])
+@pytest.mark.parametrize("new_prompts", [0, 1, 2, 3, 5, 8, 32])
+def test_the_pending_rule_leaves_idle_replicas_to_prompts_nobody_holds(
+    idle: int, new_prompts: int
+) -> None:
+    # After ``new_prompts`` decisions whose prompt no replica held, then 32 - that many
+    # whose prompt was held, a conversation's prefix is pending on r0 (579 tokens to
+    # wait there, 510 to compute on an idle replica: the rule decides alone, 765 > 579).
+    # It copies the prefix onto one of the ``idle`` idle replicas only while they are
+    # expected to outnumber the new prompts that will need them:
+    # idle x (1 - p_new) >= pending_spare_idle (0.8), p_new decayed over balance_window.
+    pol = policy("cache_aware")
+    held = 32 - new_prompts
+    for n in range(32):
+        matched = (0, 0, 0, 0) if n >= held else (8, 0, 0, 0)
+        pol.choose(request([1, 1, 1, 1], matched, f"other-{n}"))
+    keep = 1 - 1 / RouterConfig().balance_window
+    fresh, decisions = 0.5 * keep**32, keep**32  # the prior, decayed
+    for n in range(32):
+        fresh += (1.0 if n >= held else 0.0) * keep ** (31 - n)
+        decisions += keep ** (31 - n)
+    loads = [1] + [1] * (3 - idle) + [0] * idle
+    req = request(
+        loads,
+        [8, 0, 0, 0],
+        "c",
+        queued=[500, 0, 0, 0],
+        uncached=[10, 510, 510, 510],
+        decode=64,
+    )._replace(prefix_pending=True)
+    choice = pol.choose(req)
+    spare = idle * (1 - fresh / decisions)
+    assert abs(spare - 0.8) > 1e-6
+    assert (choice.replica_id != "r0") == (spare >= 0.8), (spare, choice.reason)
+    if choice.replica_id != "r0":
+        assert choice.reason.startswith("spill pending: ")
+    # pending_spare_idle = 0: any idle replica takes the copy.
+    anyway = policy("cache_aware", pending_spare_idle=0).choose(req)
+    assert anyway.replica_id != "r0"
+
+
 def test_decode_pressure_counts_each_request_in_flight() -> None:
     # Same prefix on r0 and r1; r0 runs 3 requests, r1 one: 3·64 + 10 > 1·64 + 10.
     req = request([3, 1, 0, 0], [8, 8, 0, 0], uncached=[10, 10, 500, 500], decode=64)

@@ -78,11 +78,13 @@ def test_a_burst_of_conversations_splits_while_their_shared_prefix_is_computed(
     # goes to some replica, whose optimistic insert makes it the prompt's holder; the
     # second would wait there behind the prompt's prefill (as long as computing it
     # itself) and share that replica for all its turns: it goes to an idle one, where
-    # the replicas publish events (else no insert is ever confirmed: it stays).
-    router, _ = make(3)
+    # the replicas publish events (else no insert is ever confirmed: it stays). Five
+    # idle replicas: enough to spare one for the new prompts that half of the first
+    # decisions are expected to bring (pending_spare_idle).
+    router, _ = make(6)
     if publishing:
-        for rid in ("r0", "r1", "r2"):
-            router.apply_snapshot(rid, Snapshot(0, []))
+        for i in range(6):
+            router.apply_snapshot(f"r{i}", Snapshot(0, []))
     system = keys(*range(64))
     first = router.route(system + keys(100), "conv-a")
     router.request_started(first.replica_id, first.uncached_tokens, first.queued_tokens)
