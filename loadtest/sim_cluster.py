@@ -175,17 +175,18 @@ class SimCluster:
         started = replica.start_prefill(self.now, self.cost)
         if started is None:
             return
-        request, took = started
-        self.prompt_tokens += len(request.tokens)
-        self.cached_tokens += request.cached
-        self.host_cached_tokens += request.host_cached
+        group, took = started
+        for request in group:
+            self.prompt_tokens += len(request.tokens)
+            self.cached_tokens += request.cached
+            self.host_cached_tokens += request.host_cached
         self._push(self.now + took, "prefill_done", replica)
         self._reschedule(replica)  # the batch decodes at the prefill's step rate meanwhile
 
     def _prefill_done(self, replica: SimReplica) -> None:
-        request = replica.finish_prefill(self.now, self.cost)
-        self.ttfts.append(request.first_token_at - request.arrival)
-        self._push(request.first_token_at, "first_token", request.handle)
+        for request in replica.finish_prefill(self.now, self.cost):
+            self.ttfts.append(request.first_token_at - request.arrival)
+            self._push(request.first_token_at, "first_token", request.handle)
         self._reschedule(replica)
         self._start_prefill(replica)
 

@@ -1,9 +1,12 @@
 """One simulated replica: a FIFO queue, one prefill at a time, a fluid decode batch, and
 the real ``PrefixCache`` whose events reach the router as Redis would deliver them.
 
-* Prefill is serial and FIFO. A request's prefix match happens when its prefill starts
-  (as in a real scheduler); blocks for prompt + reply are reserved then, and the head of
-  the queue waits while they do not fit (a running request will release some).
+* Prefill is FIFO, one group at a time: the queue's head, with the requests behind it
+  that fit in the leftover token budget of its steps (``CostModel.prefill_chunk`` a
+  step, as the engine's scheduler fills a step): short prompts share a step instead of
+  paying one each. A request's prefix match happens when its prefill starts (as in a
+  real scheduler); blocks for prompt + reply are reserved then, and the head of the
+  queue waits while they do not fit (a running request will release some).
 * Decode runs as one continuous batch, in the same steps as the prefill: a prefill
   starts when the step under way ends, runs ``CostModel.prefill_steps`` steps, and the
   batch advances one token per step meanwhile (chunked prefill: the steps take the
@@ -126,7 +129,7 @@ class SimReplica:
     cache: PrefixCache
     scale: float  # compute relative to one real replica (see ``CostModel``)
     queue: deque[SimRequest] = field(default_factory=deque)
-    prefilling: SimRequest | None = None
+    prefilling: list[SimRequest] = field(default_factory=list)  # sharing their steps
     running: list[tuple[float, int, SimRequest]] = field(default_factory=list)  # heap by V end
     progress: float = 0.0  # V: tokens each running request has advanced (fluid batch)
     progress_at: float = 0.0
@@ -138,15 +141,52 @@ class SimReplica:
 
     @property
     def busy(self) -> bool:
-        return self.prefilling is not None or bool(self.running)
+        return bool(self.prefilling) or bool(self.running)
 
-    def start_prefill(self, now: float, cost: CostModel) -> tuple[SimRequest, float] | None:
-        """Start prefilling the queue's head if none is prefilling and its blocks fit;
-        returns it and how long until its first token (the rest of the step under way,
-        then its prefill and any copy from the host tier)."""
-        if self.prefilling is not None or not self.queue:
+    def start_prefill(self, now: float, cost: CostModel) -> tuple[list[SimRequest], float] | None:
+        """Start prefilling the queue's head, with the requests behind it that fit in its
+        steps' leftover token budget (the engine's scheduler admits waiting requests into
+        a step while its ``prefill_chunk`` budget lasts: a few short prompts share one
+        step), if none is prefilling and their blocks fit; returns them and how long
+        until their first token (the rest of the step under way, then the prefill of
+        their uncached tokens together and any copy from the host tier)."""
+        if self.prefilling or not self.queue:
             return None
-        request = self.queue[0]
+        group: list[SimRequest] = []
+        tokens = swapped_total = 0
+        capacity = 0.0  # the head's steps' token budget
+        while self.queue:
+            request = self.queue[0]
+            if group:  # a follower joins only within the head's steps' budget
+                ahead = len(request.tokens) - self.cache.cached_tokens(request.tokens)
+                if tokens + ahead > capacity:
+                    break
+            if not self._admit(request, cost):
+                break  # the head waits for a running request to free blocks
+            group.append(request)
+            uncached = len(request.tokens) - request.cached
+            tokens += uncached
+            swapped_total += request.swapped_blocks
+            if len(group) == 1:
+                capacity = cost.prefill_steps(uncached, self.scale) * cost.prefill_chunk
+                capacity *= self.scale
+        if not group:
+            return None
+        self.advance(now, cost)  # the batch's progress so far, at its decode rate
+        rest = 0.0  # of the step under way, in decode tokens
+        if self.running:  # on a boundary the next step has begun: requests take time to come
+            rest = math.floor(self.progress + 1e-9) + 1.0 - self.progress
+        took = rest * cost.step_s(len(self.running), self.scale) if self.running else 0.0
+        took += cost.prefill_s(tokens, self.scale)
+        took += cost.swap_in_s(swapped_total, self.scale)
+        self.prefill_step_s = took / (rest + cost.prefill_steps(tokens, self.scale))
+        self.prefilling = group
+        return group, took
+
+    def _admit(self, request: SimRequest, cost: CostModel) -> bool:
+        """Match the queue's head in the cache (promoting host blocks), reserve blocks for
+        prompt + reply and pop it; False (nothing held) when the blocks do not fit. A
+        request's prefix match happens when its prefill starts, as in a real scheduler."""
         cache, n = self.cache, len(request.tokens)
         match = cache.match(request.tokens)
         host_tokens = match.host_tokens
@@ -165,37 +205,28 @@ class SimReplica:
         try:
             fresh = cache.allocate(need)
         except CacheFull:
-            cache.release(held)  # wait for a running request to free blocks
-            return None
+            cache.release(held)
+            return False
         self.queue.popleft()
         request.block_ids = held + fresh
         request.cached = match.cached_tokens
         request.host_cached = host_tokens
         request.swapped_blocks, self.unpaid_swap_blocks = self.unpaid_swap_blocks, 0
-        self.advance(now, cost)  # the batch's progress so far, at its decode rate
-        rest = 0.0  # of the step under way, in decode tokens
-        if self.running:  # on a boundary the next step has begun: requests take time to come
-            rest = math.floor(self.progress + 1e-9) + 1.0 - self.progress
-        uncached = n - request.cached
-        took = rest * cost.step_s(len(self.running), self.scale) if self.running else 0.0
-        took += cost.prefill_s(uncached, self.scale)
-        took += cost.swap_in_s(request.swapped_blocks, self.scale)
-        self.prefill_step_s = took / (rest + cost.prefill_steps(uncached, self.scale))
-        self.prefilling = request
-        return request, took
+        return True
 
-    def finish_prefill(self, now: float, cost: CostModel) -> SimRequest:
-        """Commit the prompt and move the request into the decode batch: its prefill's
-        last step gave its first token."""
-        request = self.prefilling
-        assert request is not None
+    def finish_prefill(self, now: float, cost: CostModel) -> list[SimRequest]:
+        """Commit the prompts and move the requests into the decode batch: their
+        prefill's last step gave their first token."""
+        group = self.prefilling
+        assert group
         self.advance(now, cost)  # at the prefill's step rate
-        self.prefilling = None
-        self.cache.commit(request.tokens, request.block_ids)
-        request.first_token_at = now
-        end = self.progress + max(0, len(request.reply) - 1)
-        heapq.heappush(self.running, (end, id(request), request))
-        return request
+        self.prefilling = []
+        for request in group:
+            self.cache.commit(request.tokens, request.block_ids)
+            request.first_token_at = now
+            end = self.progress + max(0, len(request.reply) - 1)
+            heapq.heappush(self.running, (end, id(request), request))
+        return group
 
     def finish_decode(self, now: float, cost: CostModel) -> SimRequest:
         """The first reply to end: commit prompt + reply, release its blocks."""
@@ -210,7 +241,7 @@ class SimReplica:
     def token_s(self, cost: CostModel) -> float:
         """Seconds per token of the decode batch now: a decode step, or while a prompt
         prefills, one of its steps."""
-        if self.prefilling is not None:
+        if self.prefilling:
             return self.prefill_step_s
         return cost.step_s(len(self.running), self.scale)
 

@@ -120,7 +120,7 @@ def simulate(
     ttfts = sorted(sim.ttfts)
     for replica in sim.replicas:
         replica.cache.check_invariants()
-        assert not replica.queue and replica.prefilling is None and not replica.running
+        assert not replica.queue and not replica.prefilling and not replica.running
     sim.router.check_invariants()
     drained = [(v.in_flight, v.load.queued_tokens) for v in sim.router.replicas.values()]
     assert all(d == (0, 0) for d in drained), drained

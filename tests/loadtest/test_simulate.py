@@ -9,8 +9,10 @@ import pytest
 from loadtest import skewed_docs
 from loadtest.sim_client import WordTokenizer
 from loadtest.sim_cost import CostModel
+from loadtest.sim_replica import SimReplica, SimRequest
 from loadtest.simulate import run_comparison, simulate, working_set_blocks
 from loadtest.workloads import generate
+from replica.prefix_cache import PrefixCache
 from router.config import RouterConfig
 
 
@@ -98,6 +100,33 @@ def test_piling_onto_one_replica_shows_up_as_waiting() -> None:
     piled = simulate(sessions, "round_robin", 1, 800)  # one replica, the same compute each
     assert piled.ttft_p50_s > 2 * spread.ttft_p50_s
     assert piled.total_time_s > spread.total_time_s
+
+
+@pytest.mark.parametrize("head", [100, 600])
+def test_prompts_queued_together_share_their_prefill_steps(head: int) -> None:
+    # The engine's scheduler fills a step's token budget (512) with waiting prompts; the
+    # simulated replica prefills the queue's head with the prompts behind it that fit in
+    # its steps' leftover budget (FIFO: the first that does not fit waits, and all
+    # behind it). A 100-token head has one step, 412 tokens to spare; a 600-token head
+    # two steps, 424. The group's first tokens all come at its last step.
+    cost = CostModel(prefill_chunk=512)
+    replica = SimReplica("r0", PrefixCache(num_blocks=400, block_size=16), scale=1.0)
+    sizes = [head, 300, 200, 40]
+    requests = [
+        SimRequest(None, list(range(k * 1000, k * 1000 + n)), [1] * 4, 0.0)  # type: ignore[arg-type]
+        for k, n in enumerate(sizes)
+    ]
+    replica.queue.extend(requests)
+    started = replica.start_prefill(0.0, cost)
+    assert started is not None
+    group, took = started
+    assert group == requests[:2]  # head + 300 fit; + 200 would not
+    assert took == pytest.approx(cost.prefill_s(head + 300))
+    assert replica.start_prefill(0.0, cost) is None  # one group at a time
+    done = replica.finish_prefill(took, cost)
+    assert done == group and all(r.first_token_at == took for r in done)
+    rest = replica.start_prefill(took, cost)
+    assert rest is not None and rest[0] == requests[2:]  # 200 + 40 in one step
 
 
 def test_cost_model_and_tokenizer() -> None:
