@@ -25,6 +25,7 @@ from typing import Any
 from prefixgate.procs import ChildDied, free_port, stop_process, wait_http_ok
 
 RESET_TRIES = 10  # resets in a row (each waits up to 5 s for the events) before giving up
+IDLE_TIMEOUT_S = 30.0  # for a gateway to see the previous cell's load leave its replicas
 # The /cache/stats fields that count events (the others are gauges: block counts).
 COUNTERS = ("queries", "hits", "misses", "hit_tokens", "query_tokens", "evictions", "expirations")
 
@@ -106,6 +107,7 @@ class Cluster:
         left = {n: s["cached_blocks"] for n, s in self.cache_stats().items() if s["cached_blocks"]}
         if left or len(answer["replicas"]) != len(self.replica_urls()):
             raise RuntimeError(f"prefix cache reset incomplete: {answer}, still cached {left}")
+        wait_router_idle(gateway)
 
     def warm_up(self, model: str) -> None:
         """One short request on every replica: a fresh process's first forward pays
@@ -325,3 +327,23 @@ def stats_delta(
         then = before.get(name, {})
         out[name] = {k: v - then.get(k, 0) if k in COUNTERS else v for k, v in now.items()}
     return out
+
+
+def wait_router_idle(gateway: str, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Poll the gateway's ``/router/stats`` until it sees nothing in flight and no
+    prefill queued on any replica. With replicas shared between rows, what they last
+    reported of the previous cell (another gateway's requests, in a heartbeat up to a
+    second old, counted for ``report_ttl_s``) would otherwise steer the first decisions
+    of the next: a burst placed around replicas that only look busy stays there for its
+    sessions' turns. Raises after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{gateway}/router/stats", timeout=10) as resp:
+            replicas = json.loads(resp.read())["replicas"]
+        busy = {r: (v["load"], v["queued_tokens"]) for r, v in replicas.items()}
+        busy = {r: v for r, v in busy.items() if any(v)}
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway still sees load after {timeout_s:.0f} s: {busy}")
+        time.sleep(0.1)  # the next heartbeat (every second) clears the previous cell's

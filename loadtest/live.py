@@ -10,7 +10,9 @@ replays); or, with ``shared_replicas``, one cluster for the first policy and one
 ``prefixgate gateway`` per other policy joined to its Redis and replicas
 (``loadtest.cluster.join_gateway``), so that N policies cost one set of replicas. Each
 cell — a policy on a workload — begins with ``POST /reset_prefix_cache`` on its gateway,
-which empties every replica's cache and that gateway's view of them, then replays the
+which empties every replica's cache and that gateway's view of them, waits until that
+gateway sees nothing in flight on any replica (the replicas' last heartbeats of the
+previous cell no longer count: ``loadtest.cluster.wait_router_idle``), then replays the
 workload; its per-replica ``/cache/stats`` are read around the replay. With shared
 replicas the idle gateways route nothing during another's cell, and are stopped
 (SIGSTOP) meanwhile so that they spend no CPU folding in its block events and hints

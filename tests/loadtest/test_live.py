@@ -189,3 +189,45 @@ def test_shared_replicas_one_cluster_and_a_gateway_per_policy(tmp_path: Path) ->
         for row in reversed(started.targets.values()):
             row.stop()
     assert host.proc.poll() is not None and joined.proc.poll() is not None
+
+
+def test_a_cell_waits_until_its_gateway_sees_the_previous_cells_load_leave() -> None:
+    # A stand-in for a gateway's /router/stats: the replicas' reports still show the
+    # previous cell's requests for the first polls, then none.
+    import http.server
+    import threading
+
+    from loadtest.cluster import wait_router_idle
+
+    polls: list[int] = []
+    lingering = {"r0": (2, 1650), "r1": (1, 0)}
+
+    class Stats(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            polls.append(1)
+            busy = len(polls) <= 3 or self.server.stuck  # type: ignore[attr-defined]
+            replicas = {
+                r: {"load": load if busy else 0, "queued_tokens": queued if busy else 0}
+                for r, (load, queued) in lingering.items()
+            }
+            body = json.dumps({"replicas": replicas}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stats)
+    server.stuck = False  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gateway = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        wait_router_idle(gateway, timeout_s=10)
+        assert len(polls) == 4  # three busy answers, then the idle one
+        server.stuck = True  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError, match="still sees load"):
+            wait_router_idle(gateway, timeout_s=0.3)
+    finally:
+        server.shutdown()
