@@ -67,6 +67,11 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, request: RouteInput) -> Choice: ...
 
+    def forget(self) -> None:
+        """Every replica's prefix cache was reset: drop what was learnt about serving
+        the prefixes they held (nothing here; ``CacheAware``: the busy shares)."""
+        return None
+
     # shared helpers ------------------------------------------------------------------
 
     def load_bound(self, candidates: Sequence[Candidate]) -> int:
@@ -252,6 +257,13 @@ class CacheAware(Policy):
         # Decayed counts behind p_new (``pending_spare_idle``), from a prior of 1/2.
         self.keep = 1.0 - 1.0 / config.balance_window
         self.fresh, self.decisions = 0.5, 1.0
+
+    def forget(self) -> None:
+        """The busy shares start afresh: a replica that was busy serving the prefixes a
+        reset dropped is no busier for the next ones (kept, the shares would price it
+        out of a burst of new conversations, which then stay where the burst put them;
+        live, 16 sim replicas: 2 to 4 of them got no chat request after an agents run)."""
+        self.busy = BusyShare(self.config.balance_window)
 
     def choose(self, request: RouteInput) -> Choice:
         # One plain pass over the candidates, by position (no per-replica dicts): every

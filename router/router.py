@@ -427,10 +427,13 @@ class Router:
             view.last_seq = None
 
     def forget_cached_state(self, replica_ids: Iterable[str] | None = None) -> None:
-        """After a prefix cache reset: forget what the replicas (default: all) held."""
-        for replica_id in self._replicas if replica_ids is None else replica_ids:
-            if replica_id in self._replicas:
-                self.index.clear(replica_id)
+        """After a prefix cache reset: forget what the replicas (default: all) held; when
+        that is every replica, the policy starts afresh too (``Policy.forget``)."""
+        reset = set(self._replicas if replica_ids is None else replica_ids)
+        for replica_id in reset & set(self._replicas):
+            self.index.clear(replica_id)
+        if reset >= set(self._replicas):
+            self.policy.forget()
 
     def apply_hint(self, hint: RoutedHint) -> None:
         """Another gateway's optimistic insert, unless routed before the replica's last

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.config import RouterConfig
+from router.policies import CacheAware
 from router.protocol import BlockEvent, KeySpace, ReplicaLoad, RoutedHint, Snapshot, SnapshotBlock
 from router.router import NoHealthyReplica, Router
 
@@ -216,4 +217,22 @@ def test_forget_cached_state_drops_the_replicas_blocks() -> None:
     assert router.index.match([k[:16] for k in prompt]) == {"r1": 1}
     # Sequence numbers carry on: the replica's own cleared event folds in as usual.
     assert router.apply_event("r0", BlockEvent(2, "cleared"))
+    router.check_invariants()
+
+
+def test_a_reset_of_every_replica_starts_the_busy_shares_afresh() -> None:
+    # The balance price's busy shares (CacheAware) describe serving the prefixes the
+    # replicas held; after every replica's cache is reset they would steer a burst of
+    # new conversations away from the replicas that were busy before.
+    router, _ = make(3)
+    policy = router.policy
+    assert isinstance(policy, CacheAware)
+    for n in range(6):
+        decision = router.route(keys(n, 100 + n), conversation_key=f"c{n}")
+        router.request_started(decision.replica_id, decision.uncached_tokens)
+    assert policy.busy.counts and policy.busy.decisions == 6
+    router.forget_cached_state(["r0", "r1"])  # r2's reset failed: the shares stand
+    assert policy.busy.decisions == 6
+    router.forget_cached_state()
+    assert not policy.busy.counts and policy.busy.decisions == 0
     router.check_invariants()
