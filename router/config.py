@@ -39,7 +39,8 @@ class RouterConfig:
     replica that a prompt nobody holds would otherwise find; while most arrivals bring
     new prompts (a burst of 4 agent types on 4 replicas), waiting on the holder leaves
     the idle replicas to them (replayed live agents at 4 replicas: total time 20.9 ->
-    19.6 s; unchanged at 16 and 64 on chat; docs/BENCHMARKS.md, "Spare idle
+    19.6 s, at 16 19.1 -> 19.4 s, chat unchanged at 4, 16 and 64; live at 4 agents went
+    from 4% behind sglang-router to level or ahead; docs/BENCHMARKS.md, "Spare idle
     replicas"). 0: the rule holds on any idle replica."""
     decode_tokens_per_request: int = 128
     """Decode pressure: each request in flight on a replica is priced as this many
