@@ -1,4 +1,4 @@
-"""One simulated replica: a FIFO queue, one prefill at a time, a fluid decode batch, and
+"""One simulated replica: a FIFO queue, one prefill group at a time, a fluid decode batch, and
 the real ``PrefixCache`` whose events reach the router as Redis would deliver them.
 
 * Prefill is FIFO, one group at a time: the queue's head, with the requests behind it
@@ -161,7 +161,7 @@ class SimReplica:
                 ahead = len(request.tokens) - self.cache.cached_tokens(request.tokens)
                 if tokens + ahead > capacity:
                     break
-            if not self._admit(request, cost):
+            if not self._admit(request):
                 break  # the head waits for a running request to free blocks
             group.append(request)
             uncached = len(request.tokens) - request.cached
@@ -183,7 +183,7 @@ class SimReplica:
         self.prefilling = group
         return group, took
 
-    def _admit(self, request: SimRequest, cost: CostModel) -> bool:
+    def _admit(self, request: SimRequest) -> bool:
         """Match the queue's head in the cache (promoting host blocks), reserve blocks for
         prompt + reply and pop it; False (nothing held) when the blocks do not fit. A
         request's prefix match happens when its prefill starts, as in a real scheduler."""

@@ -197,7 +197,10 @@ class CacheAware(Policy):
     compute and cache space (``pending_recompute_weight`` times, default 1, for a
     conversation's request on a replica with nothing in flight while the longest match
     is still being computed where it is held: waiting for it gains nothing, the idle
-    compute is free, and the conversation would share that replica for all its turns);
+    compute is free, and the conversation would share that replica for all its turns;
+    only while idle replicas × (1 − p_new) ≥ ``pending_spare_idle``, p_new the decayed
+    share of recent decisions whose prompt no replica held, so that copies leave alone
+    the idle replicas that new prompts are expected to need);
     and each request in flight there counts
     ``decode_tokens_per_request`` prefill tokens (default 128), because this request's
     decode steps and theirs share the replica: joining a busy replica slows every reply
