@@ -15,7 +15,8 @@
 # every policy runs on one set of replicas, a gateway per policy (`--shared-replicas`):
 # one cluster per policy would not fit in memory (64 sim replicas: about 6.6 GB).
 # CONCURRENCY overrides the concurrent sessions (default: one per replica, at least 8);
-# EXTERNAL the sglang-router rows (default "sglang:cache_aware sglang:round_robin").
+# EXTERNAL the sglang-router rows (default "sglang:cache_aware sglang:round_robin");
+# ROUTER_OPTIONS router settings for every gateway ("NAME=VALUE ...", `--router-option`).
 #
 # sglang-router is no project dependency: install it in a venv of its own
 # (python3 -m venv ~/sglr && ~/sglr/bin/pip install sglang-router) and point
@@ -50,10 +51,13 @@ PY
 )"
 export HF_HUB_OFFLINE=1
 
-external=()
+extra=()  # router options and external rows
+for option in ${ROUTER_OPTIONS:-}; do
+    extra+=(--router-option "$option")
+done
 if [ -n "${PREFIXGATE_SGLANG_PYTHON:-}" ]; then
     for row in ${EXTERNAL:-sglang:cache_aware sglang:round_robin}; do
-        external+=(--external-router "$row")
+        extra+=(--external-router "$row")
     done
 fi
 
@@ -75,7 +79,7 @@ for n in $SIZES; do
         shared=(--shared-replicas)
     fi
     cmd=("$BIN/prefixgate" bench live --replicas "$n" --model sim \
-        --concurrency "$concurrency" --policies "$POLICIES" "${external[@]}" \
+        --concurrency "$concurrency" --policies "$POLICIES" "${extra[@]}" \
         --workloads "$WORKLOADS" --repeats "$REPEATS" --scale "$SCALE" "${shared[@]}" \
         --out-dir "$dir" --run-root "${RUN_ROOT:-runs/sim-live}/sim-$n")
     {
