@@ -130,7 +130,10 @@ class SimReplica:
     scale: float  # compute relative to one real replica (see ``CostModel``)
     queue: deque[SimRequest] = field(default_factory=deque)
     prefilling: list[SimRequest] = field(default_factory=list)  # sharing their steps
-    running: list[tuple[float, int, SimRequest]] = field(default_factory=list)  # heap by V end
+    # A heap by V end; ties in joining order (never by object address: a run's result
+    # must not depend on what the process allocated before it).
+    running: list[tuple[float, int, SimRequest]] = field(default_factory=list)
+    joined: int = 0  # requests moved into the decode batch so far (``running``'s tie order)
     progress: float = 0.0  # V: tokens each running request has advanced (fluid batch)
     progress_at: float = 0.0
     version: int = 0  # bumped on every reschedule; a stale decode-done event is ignored
@@ -225,13 +228,14 @@ class SimReplica:
             self.cache.commit(request.tokens, request.block_ids)
             request.first_token_at = now
             end = self.progress + max(0, len(request.reply) - 1)
-            heapq.heappush(self.running, (end, id(request), request))
+            self.joined += 1
+            heapq.heappush(self.running, (end, self.joined, request))
         return group
 
     def finish_decode(self, now: float, cost: CostModel) -> SimRequest:
         """The first reply to end: commit prompt + reply, release its blocks."""
         self.advance(now, cost)
-        end, _id, request = heapq.heappop(self.running)
+        end, _joined, request = heapq.heappop(self.running)
         self.progress = max(self.progress, end)  # float drift
         full = request.tokens + request.reply
         self.cache.commit(full, request.block_ids)

@@ -129,6 +129,26 @@ def test_prompts_queued_together_share_their_prefill_steps(head: int) -> None:
     assert rest is not None and rest[0] == requests[2:]  # 200 + 40 in one step
 
 
+def test_replies_that_end_in_one_step_leave_in_joining_order_not_by_address() -> None:
+    # Two replies of one length, prefilled together, end at the same step. Ordered by
+    # object address, which reply leaves first (and so the next decisions) would depend
+    # on what the process allocated before: a grid's cell would differ from the same
+    # cell run alone. They leave in the order they joined the batch.
+    cost = CostModel(prefill_chunk=512)
+    replica = SimReplica("r0", PrefixCache(num_blocks=400, block_size=16), scale=1.0)
+    pair = [
+        SimRequest(None, list(range(k * 1000, k * 1000 + 50)), [1] * 4, 0.0)  # type: ignore[arg-type]
+        for k in range(2)
+    ]
+    pair.sort(key=id, reverse=True)  # the higher address joins first
+    replica.queue.extend(pair)
+    started = replica.start_prefill(0.0, cost)
+    assert started is not None and started[0] == pair
+    replica.finish_prefill(started[1], cost)
+    done_at = started[1] + 10.0  # well past both replies' ends
+    assert [replica.finish_decode(done_at, cost) for _ in pair] == pair
+
+
 def test_cost_model_and_tokenizer() -> None:
     cost = CostModel()
     assert cost.prefill_s(2000) == pytest.approx(5.6)
