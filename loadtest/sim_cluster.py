@@ -112,6 +112,7 @@ class SimCluster:
             for _ in range(min(concurrency, len(convs))):
                 self._push(0.0, "turn", self.backlog.popleft())
         self.ttfts: list[float] = []
+        self.served: list[SimRequest] = []  # every request, at its first token
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.host_cached_tokens = 0  # of the cached ones, found on a host tier
@@ -186,6 +187,7 @@ class SimCluster:
     def _prefill_done(self, replica: SimReplica) -> None:
         for request in replica.finish_prefill(self.now, self.cost):
             self.ttfts.append(request.first_token_at - request.arrival)
+            self.served.append(request)
             self._push(request.first_token_at, "first_token", request.handle)
         self._reschedule(replica)
         self._start_prefill(replica)

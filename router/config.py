@@ -72,6 +72,12 @@ class RouterConfig:
     balance_window: float = 32.0
     """The balance price's memory: about this many recent routing decisions per
     replica (and each replica's prior, so the first decisions do not swing it)."""
+    balance_pause: float = 8.0
+    """A gap between routing decisions longer than this many usual gaps (a decayed
+    mean) is a pause in the traffic: the busy shares fade as if the gap's decisions
+    beyond this many had found every replica idle, so the replicas that served the
+    traffic before a pause (and still hold its prefixes) are not priced out of the next
+    burst (docs/BENCHMARKS.md, "Pauses"). 0 turns the fading off."""
     queue_cap: float = 4.0
     """Safety cap: a replica whose queued prefill tokens exceed this × (the other
     replicas' mean queue + the prompt's tokens) is not chosen while another is."""
@@ -135,6 +141,8 @@ class RouterConfig:
             raise ValueError("balance_slack must be non-negative")
         if not self.balance_window >= 1:
             raise ValueError("balance_window must be at least 1")
+        if not (self.balance_pause == 0 or self.balance_pause >= 1):
+            raise ValueError("balance_pause must be 0 (off) or at least 1")
         if self.queue_cap < 1:
             raise ValueError("queue_cap must be at least 1")
         if min(self.load_slack, self.load_abs_slack) < 0:

@@ -154,12 +154,24 @@ class BusyShare:
     grows from 0 to 1 over the first ``window`` decisions (no history, no evidence).
 
     The decay is kept as one growing ``scale`` (counts are stored × scale; a new point
-    adds ``scale``), so a decision touches only the replicas it scores: O(busy)."""
+    adds ``scale``), so a decision touches only the replicas it scores: O(busy).
+
+    A pause in the traffic is no pause in time: a gap between decisions of more than
+    ``pause`` × the usual gap (a decayed mean) counts as the decisions it would have
+    held beyond that, each of which would have found every replica idle (the requests
+    in flight when the traffic stopped finish within seconds). So the shares of the
+    replicas that served the traffic before a pause (a night, a finished job) fade with
+    the pause's length, instead of pricing those replicas, which still hold that
+    traffic's prefixes, out of the next burst. Steady traffic is left alone: its gaps
+    rarely reach 8 × the mean (an exponential gap, 1 in 3,000). ``pause`` 0: off."""
 
     window: float
+    pause: float = 8.0
     counts: dict[str, float] = field(default_factory=dict)  # stored × scale
     scale: float = 1.0
     decisions: int = 0  # seen, up to ``window``
+    last_at: float | None = None  # the last decision's time (``elapse``)
+    gap_s: float = 0.0  # the decayed mean gap between decisions (0: none seen yet)
 
     @property
     def weight(self) -> float:
@@ -181,6 +193,31 @@ class BusyShare:
         counts = self.counts
         return {r: (counts.get(r, 0.0) + prior) * per_mean for r in replica_ids}
 
+    def elapse(self, now: float, candidates: int) -> None:
+        """A decision among ``candidates`` replicas is about to be made at ``now``: the
+        gap since the last one beyond ``pause`` × the usual gap decays every count as
+        that many decisions among idle replicas would (all of them, past ~50 windows)."""
+        last, self.last_at = self.last_at, now
+        if last is None or not self.pause:
+            return
+        gap = max(0.0, now - last)
+        mean = self.gap_s
+        if not mean:
+            self.gap_s = gap
+            return
+        # A pause's length does not stretch the usual gap.
+        self.gap_s = mean + (min(gap, self.pause * mean) - mean) / self.window
+        idle_decisions = gap / mean - self.pause
+        if idle_decisions <= 0.0:
+            return
+        keep = (1.0 - 1.0 / (self.window * candidates)) ** min(idle_decisions, 1e9)
+        if keep < 1e-20:
+            self.counts.clear()  # all but forgotten
+            self.scale = 1.0
+        else:
+            self.scale /= keep
+            self._fold()
+
     def decided(self, busy: list[str], chosen: str, candidates: int) -> None:
         """One decision among ``candidates`` replicas: those in ``busy`` had requests in
         flight; ``chosen`` gets this one."""
@@ -192,7 +229,14 @@ class BusyShare:
             counts[r] = counts.get(r, 0.0) + point
         if chosen not in busy:
             counts[chosen] = counts.get(chosen, 0.0) + point
-        if point > 1e100:  # fold the scale back in (rarely: ~230 × window × candidates)
+        self._fold()
+
+    def _fold(self) -> None:
+        """Fold the scale back into the counts once it is large (rarely: every ~230 ×
+        window × candidates decisions, or after a pause)."""
+        point = self.scale
+        if point > 1e100:
+            counts = self.counts
             for r in list(counts):
                 counts[r] /= point
                 if counts[r] < 1e-6:

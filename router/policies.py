@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar, NamedTuple
 
@@ -59,10 +60,17 @@ class Choice(NamedTuple):
 class Policy(ABC):
     name: ClassVar[str]
 
-    def __init__(self, config: RouterConfig, ring: Ring, rng: random.Random) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        ring: Ring,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.ring = ring
         self.rng = rng
+        self.clock = clock  # the router's (seconds; a simulated one in the simulator)
 
     @abstractmethod
     def choose(self, request: RouteInput) -> Choice: ...
@@ -97,8 +105,14 @@ class Policy(ABC):
 class RoundRobin(Policy):
     name = "round_robin"
 
-    def __init__(self, config: RouterConfig, ring: Ring, rng: random.Random) -> None:
-        super().__init__(config, ring, rng)
+    def __init__(
+        self,
+        config: RouterConfig,
+        ring: Ring,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(config, ring, rng, clock)
         self.turn = 0
 
     def choose(self, request: RouteInput) -> Choice:
@@ -214,8 +228,9 @@ class CacheAware(Policy):
     tokens (none up to 1 + slack: a holder of its share of the prefixes keeps them),
     each idle one under the mean ``balance_tokens`` × (busy(r) − 1) (a credit), busy(r)
     being its recent busy time over the candidates' mean (router/load.py, ``BusyShare``:
-    sampled at the last ~``balance_window`` decisions per replica, with a prior; the
-    price grows in over the first ``balance_window`` decisions). The greedy rule alone
+    sampled at the last ~``balance_window`` decisions per replica, with a prior, and
+    faded by pauses in the traffic; the price grows in over the first
+    ``balance_window`` decisions). The greedy rule alone
     never sees the future queue that piling onto a prefix's holder builds: at low load
     the holder is always sooner for this request, and the other replicas stay idle. The
     price makes a busy holder's hit lose to an idle replica's one-time recompute of the
@@ -254,9 +269,15 @@ class CacheAware(Policy):
     name = "cache_aware"
     TIE_TOKENS = 16  # one block at the default block size
 
-    def __init__(self, config: RouterConfig, ring: Ring, rng: random.Random) -> None:
-        super().__init__(config, ring, rng)
-        self.busy = BusyShare(config.balance_window)
+    def __init__(
+        self,
+        config: RouterConfig,
+        ring: Ring,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(config, ring, rng, clock)
+        self.busy = BusyShare(config.balance_window, config.balance_pause)
         # Decayed counts behind p_new (``pending_spare_idle``), from a prior of 1/2.
         self.keep = 1.0 - 1.0 / config.balance_window
         self.fresh, self.decisions = 0.5, 1.0
@@ -266,7 +287,7 @@ class CacheAware(Policy):
         reset dropped is no busier for the next ones (kept, the shares would price it
         out of a burst of new conversations, which then stay where the burst put them;
         live, 16 sim replicas: 2 to 4 of them got no chat request after an agents run)."""
-        self.busy = BusyShare(self.config.balance_window)
+        self.busy = BusyShare(self.config.balance_window, self.config.balance_pause)
 
     def choose(self, request: RouteInput) -> Choice:
         # One plain pass over the candidates, by position (no per-replica dicts): every
@@ -287,6 +308,8 @@ class CacheAware(Policy):
         busy = [c.replica_id for c in candidates if c.load] if on else []
         balance = prior = per_mean = over = 0.0
         counts = share.counts
+        if on:
+            share.elapse(self.clock(), len(candidates))  # a pause fades the shares
         if on and len(busy) < len(candidates):
             balance = config.balance_tokens * share.weight
             prior, per_mean = share.terms([c.replica_id for c in candidates])
@@ -427,9 +450,15 @@ POLICIES: Mapping[str, type[Policy]] = MappingProxyType(
 )
 
 
-def make_policy(name: str, config: RouterConfig, ring: Ring, rng: random.Random) -> Policy:
+def make_policy(
+    name: str,
+    config: RouterConfig,
+    ring: Ring,
+    rng: random.Random,
+    clock: Callable[[], float] = time.monotonic,
+) -> Policy:
     try:
-        return POLICIES[name](config, ring, rng)
+        return POLICIES[name](config, ring, rng, clock)
     except KeyError:
         raise ValueError(
             f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}"

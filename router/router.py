@@ -109,7 +109,7 @@ class Router:
         self.clock = clock
         self.probe_first = probe_first
         self.ring = Ring(self.config.ring_vnodes)
-        self.policy = make_policy(policy, self.config, self.ring, random.Random(seed))
+        self.policy = make_policy(policy, self.config, self.ring, random.Random(seed), self.clock)
         self.index = PrefixIndex(self.config.max_blocks_per_replica)
         self._replicas: dict[str, ReplicaView] = {}
         self._hooks: list[RoutedHook] = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from router.load import BusyShare, LoadTracker
 from router.protocol import ReplicaLoad
 
@@ -113,3 +115,38 @@ def test_busy_share_counts_recent_decisions_never_goes_negative_and_drains() -> 
     # With the prior of ``window`` each: (12 + 4) / 8 for r0, 4 / 8 for the others.
     ratios = share.ratios(ids)
     assert abs(ratios["r0"] - 2.0) < 1e-6 and abs(ratios["r1"] - 0.5) < 1e-6
+
+
+def test_busy_share_fades_over_a_pause_in_decisions_only_past_the_usual_gaps() -> None:
+    share = BusyShare(window=4)
+    ids = ["r0", "r1"]
+    now = 0.0
+    for _ in range(40):  # r0 busy at every decision, one every second
+        now += 1.0
+        share.elapse(now, len(ids))
+        share.decided(["r0"], "r0", len(ids))
+    assert share.gap_s == pytest.approx(1.0)
+    before = share.count("r0")
+    now += 8.0  # a gap of ``pause`` (8) usual gaps: no pause yet
+    share.elapse(now, len(ids))
+    assert share.count("r0") == pytest.approx(before)
+    # ... though it stretches the usual gap: (8 − 1) / window.
+    assert share.gap_s == pytest.approx(1.0 + 7.0 / 4)
+    # 100 usual gaps: the 92 past ``pause`` decay the count as 92 decisions without r0,
+    # and stretch the usual gap no more than a gap of ``pause`` does.
+    usual = share.gap_s
+    now += 100.0 * usual
+    share.elapse(now, len(ids))
+    keep = 1.0 - 1.0 / (share.window * len(ids))
+    assert share.count("r0") == pytest.approx(before * keep**92)
+    assert share.gap_s == pytest.approx(usual + 7.0 * usual / 4)
+    share.check_invariants()
+    # A pause of a day forgets the shares entirely: the ratios are even again.
+    share.elapse(now + 86_400.0, len(ids))
+    assert share.counts == {} and share.ratios(ids) == {"r0": 1.0, "r1": 1.0}
+    share.check_invariants()
+    # A clock that goes backwards (a replaced clock) is no pause.
+    share.decided(["r0"], "r0", len(ids))
+    count = share.count("r0")
+    share.elapse(0.0, len(ids))
+    assert share.count("r0") == pytest.approx(count)

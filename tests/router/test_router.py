@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.config import RouterConfig
+from router.config import RouterConfig, with_options
 from router.policies import CacheAware
 from router.protocol import BlockEvent, KeySpace, ReplicaLoad, RoutedHint, Snapshot, SnapshotBlock
 from router.router import NoHealthyReplica, Router
@@ -236,3 +236,44 @@ def test_a_reset_of_every_replica_starts_the_busy_shares_afresh() -> None:
     router.forget_cached_state()
     assert not policy.busy.counts and policy.busy.decisions == 0
     router.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("pause_s", "balance_pause", "replicas_used"), [(0.05, 8.0, 6), (60.0, 8.0, 8), (60.0, 0.0, 6)]
+)
+def test_a_pause_in_the_traffic_fades_the_busy_shares(
+    pause_s: float, balance_pause: float, replicas_used: int
+) -> None:
+    # r0 and r1 served long requests through 200 decisions (one every 50 ms) while the
+    # other six took short ones: their busy shares are about twice the mean. Right
+    # after, a burst of new conversations is steered off them by the balance price. A
+    # minute later, when nothing has been routed since, the shares describe traffic
+    # that has stopped: the burst spreads over all eight replicas (unless the fading
+    # is off: ``balance_pause`` 0).
+    router, clock = make(8, balance_pause=balance_pause)
+    held = [router.request_started(r, 0) for r in ("r0", "r1")]
+    for n in range(200):
+        clock.now += 0.05
+        decision = router.route(keys(n, 1000 + n), conversation_key=f"old-{n}")
+        assert decision.replica_id not in ("r0", "r1")  # a new prompt: an idle replica
+        router.request_finished(router.request_started(decision.replica_id, 0), ok=True)
+    for request in held:
+        router.request_finished(request, ok=True)
+    clock.now += pause_s
+    used = set()
+    for n in range(8):
+        decision = router.route(keys(5000 + n, 6000 + n), conversation_key=f"new-{n}")
+        router.request_started(decision.replica_id, decision.uncached_tokens)
+        used.add(decision.replica_id)
+    assert len(used) == replicas_used
+    router.check_invariants()
+
+
+def test_balance_pause_is_off_or_at_least_one_usual_gap() -> None:
+    assert with_options(RouterConfig(), ["balance_pause=0"]).balance_pause == 0.0
+    assert with_options(RouterConfig(), ["balance-pause=2.5"]).balance_pause == 2.5
+    for bad in (0.5, -1.0):
+        with pytest.raises(ValueError, match="balance_pause"):
+            RouterConfig(balance_pause=bad)
+    with pytest.raises(ValueError, match="balance_pause"):
+        with_options(RouterConfig(), ["balance_pause=inf"])
