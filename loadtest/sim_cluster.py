@@ -172,8 +172,8 @@ class SimCluster:
         replica.queue.append(request)
         self._start_prefill(replica)
 
-    def _start_prefill(self, replica: SimReplica) -> None:
-        started = replica.start_prefill(self.now, self.cost)
+    def _start_prefill(self, replica: SimReplica, *, boundary: bool = False) -> None:
+        started = replica.start_prefill(self.now, self.cost, boundary=boundary)
         if started is None:
             return
         group, took = started
@@ -190,7 +190,7 @@ class SimCluster:
             self.served.append(request)
             self._push(request.first_token_at, "first_token", request.handle)
         self._reschedule(replica)
-        self._start_prefill(replica)
+        self._start_prefill(replica, boundary=True)
 
     def _reschedule(self, replica: SimReplica) -> None:
         at = replica.reschedule(self.now, self.cost)
@@ -209,4 +209,4 @@ class SimCluster:
         elif self.backlog:
             self._push(self.now, "turn", self.backlog.popleft())
         self._reschedule(replica)
-        self._start_prefill(replica)
+        self._start_prefill(replica, boundary=True)

@@ -146,15 +146,23 @@ class SimReplica:
     def busy(self) -> bool:
         return bool(self.prefilling) or bool(self.running)
 
-    def start_prefill(self, now: float, cost: CostModel) -> tuple[list[SimRequest], float] | None:
+    def start_prefill(
+        self, now: float, cost: CostModel, *, boundary: bool = False
+    ) -> tuple[list[SimRequest], float] | None:
         """Start prefilling the queue's head, with the requests behind it that fit in its
         steps' leftover token budget (the engine's scheduler admits waiting requests into
         a step while its ``prefill_chunk`` budget lasts: a few short prompts share one
         step), if none is prefilling and their blocks fit; returns them and how long
         until their first token (the rest of the step under way, then the prefill of
-        their uncached tokens together and any copy from the host tier)."""
+        their uncached tokens together and any copy from the host tier).
+
+        ``boundary``: a step ends now (a prefill's last or a reply's). A head that was
+        already waiting is scheduled into the step that begins now, as the engine's
+        scheduler takes its waiting requests at every step; one that arrives now (a
+        client's next request, sent when its reply ended) waits for that step."""
         if self.prefilling or not self.queue:
             return None
+        waited = boundary and self.queue[0].arrival < now
         group: list[SimRequest] = []
         tokens = swapped_total = 0
         capacity = 0.0  # the head's steps' token budget
@@ -177,7 +185,7 @@ class SimReplica:
             return None
         self.advance(now, cost)  # the batch's progress so far, at its decode rate
         rest = 0.0  # of the step under way, in decode tokens
-        if self.running:  # on a boundary the next step has begun: requests take time to come
+        if self.running and not waited:  # on a boundary the next step has begun
             rest = math.floor(self.progress + 1e-9) + 1.0 - self.progress
         took = rest * cost.step_s(len(self.running), self.scale) if self.running else 0.0
         took += cost.prefill_s(tokens, self.scale)

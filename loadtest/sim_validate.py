@@ -14,7 +14,12 @@ from the host tier at the profile's host bandwidth). ``--host-ratio R`` gives ev
 replica, live and simulated, a host KV tier of R × its device pool. The live run goes
 first, and the simulator names its replicas as the live ones are named (host:port):
 the router's conversation ring hashes those names, and with tight pools where each
-conversation lands moves the hit rate by as much as 0.15.
+conversation lands moves the hit rate by as much as 0.15. ``skewed_docs`` is sent as plain
+API clients send it, without conversation ids, on both sides.
+
+``--against RECORD`` runs only the simulator, against a previous ``--out`` record's live
+side (its settings, cache size and live figures): a simulator change checked on recorded
+runs, without a cluster.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ def simulated(
         seed=args.seed,
         concurrency=args.concurrency,
         prompts=prompts,
+        conversation_keys=args.conversation_keys,
         host_blocks_per_replica=host_blocks(args, blocks),
         replica_ids=replica_ids,
     )
@@ -143,6 +149,7 @@ def live(
             ignore_eos=True,
             seed=args.seed,
             progress=False,
+            conversation_keys=args.conversation_keys,
         )
         result = run_replay(sessions, config)
         cpu_after = cluster.replica_cpu_seconds()
@@ -166,6 +173,7 @@ def live(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loadtest import skewed_docs
     from loadtest.cache_sizing import live_prompts, size_cache
     from loadtest.live import LIVE_PARAMS
     from loadtest.workloads import generate
@@ -194,22 +202,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param", action="append", default=[], help="workload NAME=INT")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--run-dir", type=Path, help="keep the cluster's logs here")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="a previous --out record: run only the simulator, against its live side (a "
+        "simulator change checked on recorded runs, no cluster); its settings replace "
+        "these, except --out",
+    )
     args = parser.parse_args(argv)
 
-    params = dict(LIVE_PARAMS.get(args.workload, {}))
+    recorded: dict[str, Any] | None = None
+    if args.against is not None:
+        recorded = json.loads(args.against.read_text())
+        given = recorded["args"] | {"out": args.out, "run_dir": None, "against": args.against}
+        args = argparse.Namespace(**given)
+        params = dict(recorded["params"])
+    else:
+        params = dict(LIVE_PARAMS.get(args.workload, {}))
     for item in args.param:
         name, value = item.split("=", 1)
         params[name] = int(value)
-    sessions = generate(args.workload, seed=args.seed, **params)
-    prompts = live_prompts(sessions, MODEL)
-    blocks = size_cache(sessions, prompts, MODEL, args.fraction).num_blocks
-    started = time.monotonic()
-    if args.run_dir is not None:
-        got = live(sessions, args, blocks, args.run_dir)
+    # Single-turn documents are sent as plain API clients send them: no conversation id.
+    args.conversation_keys = args.workload != skewed_docs.KIND
+    if args.conversation_keys:
+        sessions = generate(args.workload, seed=args.seed, **params)
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            got = live(sessions, args, blocks, Path(tmp) / "run")
-    got["wall_s"] = round(time.monotonic() - started, 1)
+        sessions = skewed_docs.generate(seed=args.seed, **params)
+    prompts = live_prompts(sessions, MODEL)
+    if recorded is not None:
+        blocks, got = recorded["blocks"], recorded["live"]
+    else:
+        blocks = size_cache(sessions, prompts, MODEL, args.fraction).num_blocks
+        started = time.monotonic()
+        if args.run_dir is not None:
+            got = live(sessions, args, blocks, args.run_dir)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                got = live(sessions, args, blocks, Path(tmp) / "run")
+        got["wall_s"] = round(time.monotonic() - started, 1)
     print(f"[validate] live sim replicas: {got}", flush=True)
     # Under the live replicas' names: the conversation ring then places every session
     # where the live gateway did (with tight pools, placement alone moves the hit rate).
