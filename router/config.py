@@ -46,6 +46,14 @@ class RouterConfig:
     """Decode pressure: each request in flight on a replica is priced as this many
     prefill tokens in the choice (joining it slows every reply there), beyond what it
     adds to the predicted time to first token (fitted, router/cost.py)."""
+    stall_weight: float = 0.0
+    """Prefill stall: each request in flight on a replica waits for this request's
+    prefill there (its chunks take the decode steps of every reply beside it), so its
+    uncached tokens count this many times more per request in flight. An idle replica
+    stalls nobody. Off by default: at 1 the replay gains 1.7-2.3% on documents and the
+    simulator grid's worst time improves, but live at 4 replicas documents stay 2.4%
+    behind sglang-router and chat's TTFT p50 rises 5% (docs/BENCHMARKS.md, "A prefill
+    stall price")."""
     decode_fixed_parts: float = 0.0
     """Each request in flight on a replica is also priced this many fitted fixed parts
     (a step and its overhead, router/cost.py) in the choice: on a GPU a step costs at
@@ -139,6 +147,8 @@ class RouterConfig:
             raise ValueError("balance_tokens must be non-negative")
         if not self.balance_slack >= 0:
             raise ValueError("balance_slack must be non-negative")
+        if not self.stall_weight >= 0:
+            raise ValueError("stall_weight must be non-negative")
         if not self.balance_window >= 1:
             raise ValueError("balance_window must be at least 1")
         if not (self.balance_pause == 0 or self.balance_pause >= 1):

@@ -202,11 +202,12 @@ class CacheAware(Policy):
 
     The choice is the minimum of
 
-        score(r) = predicted TTFT(r) + ((recompute_weight − 1) × uncached(r)
-                                        + load(r) × decode_tokens_per_request) × cost(r)
-                                     + load(r) × decode_fixed_parts × fixed(r)
+        score(r) = predicted TTFT(r)
+                   + ((recompute_weight − 1 + stall_weight × load(r)) × uncached(r)
+                      + load(r) × decode_tokens_per_request) × cost(r)
+                   + load(r) × decode_fixed_parts × fixed(r)
 
-    two prices beyond this request's own wait: recomputed tokens count
+    prices beyond this request's own wait: recomputed tokens count
     ``recompute_weight`` times (default 1.5), because recomputing spends the cluster's
     compute and cache space (``pending_recompute_weight`` times, default 1, for a
     conversation's request on a replica with nothing in flight while the longest match
@@ -215,6 +216,8 @@ class CacheAware(Policy):
     only while idle replicas × (1 − p_new) ≥ ``pending_spare_idle``, p_new the decayed
     share of recent decisions whose prompt no replica held, so that copies leave alone
     the idle replicas that new prompts are expected to need);
+    recomputed tokens count ``stall_weight`` more per request in flight there (default
+    0: off), because every reply decoding there waits for the prefill's chunks;
     and each request in flight there counts
     ``decode_tokens_per_request`` prefill tokens (default 128), because this request's
     decode steps and theirs share the replica: joining a busy replica slows every reply
@@ -301,6 +304,7 @@ class CacheAware(Policy):
             if idle * (1.0 - self.fresh / self.decisions) >= config.pending_spare_idle:
                 idle_weight = config.pending_recompute_weight - 1.0
         parts = config.decode_fixed_parts
+        stall = config.stall_weight
         # Busy ratios (router/load.py, BusyShare), priced only while some candidate is
         # idle (with none idle, the queue terms balance); recorded at every decision.
         on = config.balance_tokens > 0
@@ -323,9 +327,8 @@ class CacheAware(Policy):
             load, cost, uncached, queued = c.load, c.cost, c.uncached, c.queued
             p = c.fixed_s + (queued + uncached + c.swap_tokens) * cost + load * c.running_s
             predicted.append(p)
-            base = (
-                p + ((weight if load else idle_weight) * uncached + load * c.decode_tokens) * cost
-            )
+            recompute = (weight + stall * load) if load else idle_weight
+            base = p + (recompute * uncached + load * c.decode_tokens) * cost
             base += load * parts * c.fixed_s
             if balance:
                 plain.append(base)

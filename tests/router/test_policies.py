@@ -410,3 +410,36 @@ def test_the_balance_price_seeds_idle_replicas_with_a_hot_prefix() -> None:
     spread = run(2048.0)
     assert set(spread) == set(IDS)
     assert max(spread.values()) <= 55, spread
+
+
+@pytest.mark.parametrize(
+    ("stall", "queued", "stays"),
+    [(0.0, 150, True), (0.0, 230, False), (0.5, 220, True), (0.5, 290, False)]
+    + [(1.0, 230, True), (1.0, 350, False), (2.0, 350, True), (2.0, 600, False)],
+)
+def test_the_stall_price_keeps_a_prefill_off_replicas_with_replies_in_flight(
+    stall: float, queued: int, stays: bool
+) -> None:
+    # Every replica is busy. r0 holds the whole prompt (1 token to compute) behind a
+    # queue; r1 holds nothing and has 1 request in flight, r2 and r3 have 4 and long
+    # queues. In tokens:
+    # r0 queued + 1 + (0.5 + 3 × stall) × 1, r1 128 + (0.5 + stall) × 128: recomputing
+    # the prompt on r1 stalls its reply for the prefill's length, which the price
+    # counts (the tie band is one block, 16 tokens; no case is within it).
+    pol = policy("cache_aware", stall_weight=stall)
+    req = request(
+        [3, 1, 4, 4], [8, 0, 0, 0], queued=[queued, 0, 500, 500], uncached=[1, 128, 128, 128]
+    )
+    stay, move = queued + 1.5 + 3 * stall, 192 + 128 * stall
+    assert (stay < move - TIE) == stays and abs(stay - move) > TIE
+    assert pol.choose(req).replica_id == ("r0" if stays else "r1")
+
+
+def test_the_stall_price_leaves_idle_replicas_alone() -> None:
+    # r1 idle: nobody's reply waits for its prefill, whatever the stall weight.
+    for stall in (0.0, 1.0, 4.0):
+        pol = policy("cache_aware", stall_weight=stall)
+        req = request(
+            [3, 0, 4, 4], [8, 0, 0, 0], queued=[230, 0, 500, 500], uncached=[1, 128, 128, 128]
+        )
+        assert pol.choose(req).replica_id == "r1"
