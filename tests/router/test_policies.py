@@ -414,8 +414,16 @@ def test_the_balance_price_seeds_idle_replicas_with_a_hot_prefix() -> None:
 
 @pytest.mark.parametrize(
     ("stall", "queued", "stays"),
-    [(0.0, 150, True), (0.0, 230, False), (0.5, 220, True), (0.5, 290, False)]
-    + [(1.0, 230, True), (1.0, 350, False), (2.0, 350, True), (2.0, 600, False)],
+    [
+        (0.0, 150, True),
+        (0.0, 230, False),
+        (0.5, 220, True),
+        (0.5, 290, False),
+        (1.0, 230, True),
+        (1.0, 350, False),
+        (2.0, 350, True),
+        (2.0, 600, False),
+    ],
 )
 def test_the_stall_price_keeps_a_prefill_off_replicas_with_replies_in_flight(
     stall: float, queued: int, stays: bool
