@@ -51,7 +51,7 @@ class RouterConfig:
     prefill there (its chunks take the decode steps of every reply beside it), so its
     uncached tokens count this many times more per request in flight. An idle replica
     stalls nobody. Off by default: at 1 the replay gains 1.7-2.3% on documents and the
-    simulator grid's worst time improves, but live at 4 replicas documents stay 2.4%
+    simulator grid's worst time improves, but live at 4 replicas documents stay 2.3%
     behind sglang-router and chat's TTFT p50 rises 5% (docs/BENCHMARKS.md, "A prefill
     stall price")."""
     decode_fixed_parts: float = 0.0
@@ -85,7 +85,7 @@ class RouterConfig:
     mean) is a pause in the traffic: the busy shares fade as if the gap's decisions
     beyond this many had found every replica idle, so the replicas that served the
     traffic before a pause (and still hold its prefixes) are not priced out of the next
-    burst (docs/BENCHMARKS.md, "Pauses"). 0 turns the fading off."""
+    burst (docs/BENCHMARKS.md, "Pauses in the traffic"). 0 turns the fading off."""
     queue_cap: float = 4.0
     """Safety cap: a replica whose queued prefill tokens exceed this × (the other
     replicas' mean queue + the prompt's tokens) is not chosen while another is."""
