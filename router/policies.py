@@ -71,6 +71,11 @@ class Policy(ABC):
         self.ring = ring
         self.rng = rng
         self.clock = clock  # the router's (seconds; a simulated one in the simulator)
+        self.setup()
+
+    def setup(self) -> None:
+        """Set up the policy's own state, once the shared fields are set (none here)."""
+        return None
 
     @abstractmethod
     def choose(self, request: RouteInput) -> Choice: ...
@@ -105,14 +110,7 @@ class Policy(ABC):
 class RoundRobin(Policy):
     name = "round_robin"
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        ring: Ring,
-        rng: random.Random,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(config, ring, rng, clock)
+    def setup(self) -> None:
         self.turn = 0
 
     def choose(self, request: RouteInput) -> Choice:
@@ -272,14 +270,8 @@ class CacheAware(Policy):
     name = "cache_aware"
     TIE_TOKENS = 16  # one block at the default block size
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        ring: Ring,
-        rng: random.Random,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(config, ring, rng, clock)
+    def setup(self) -> None:
+        config = self.config
         self.busy = BusyShare(config.balance_window, config.balance_pause)
         # Decayed counts behind p_new (``pending_spare_idle``), from a prior of 1/2.
         self.keep = 1.0 - 1.0 / config.balance_window
