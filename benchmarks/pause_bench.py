@@ -5,7 +5,7 @@
 In the cluster simulator (loadtest/sim_cluster.py, open loop): agent traffic first,
 ``--replicas``/2 agent types whose sessions keep each type's holder busier than the
 rest; then nothing for ``--pause-s`` seconds (a night, a finished batch job); then a
-burst of new chat conversations (2 per replica, arriving within about a second). Each
+burst of new chat conversations (one per replica, arriving within about a second). Each
 router setting (``--option``; by default the fading on, and off with
 ``balance_pause=0``) serves the same arrivals. Printed per setting and seed, for the
 chat after the pause: how many replicas its conversations were placed on, hit rate,
