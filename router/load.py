@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from router.protocol import ReplicaLoad
 
@@ -163,7 +164,12 @@ class BusyShare:
     replicas that served the traffic before a pause (a night, a finished job) fade with
     the pause's length, instead of pricing those replicas, which still hold that
     traffic's prefixes, out of the next burst. Steady traffic is left alone: its gaps
-    rarely reach 8 × the mean (an exponential gap, 1 in 3,000). ``pause`` 0: off."""
+    rarely reach 8 × the mean (an exponential gap, 1 in 3,000). Nor is a gap under
+    ``PAUSE_MIN_S`` a pause, whatever the mean: a burst's requests come milliseconds
+    apart and the next ones when replies end, and from such a start the mean takes
+    dozens of decisions to grow. ``pause`` 0: off."""
+
+    PAUSE_MIN_S: ClassVar[float] = 1.0
 
     window: float
     pause: float = 8.0
@@ -208,7 +214,7 @@ class BusyShare:
         # A pause's length does not stretch the usual gap.
         self.gap_s = mean + (min(gap, self.pause * mean) - mean) / self.window
         idle_decisions = gap / mean - self.pause
-        if idle_decisions <= 0.0:
+        if idle_decisions <= 0.0 or gap < self.PAUSE_MIN_S:
             return
         keep = (1.0 - 1.0 / (self.window * candidates)) ** min(idle_decisions, 1e9)
         if keep < 1e-20:

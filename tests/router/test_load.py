@@ -150,3 +150,20 @@ def test_busy_share_fades_over_a_pause_in_decisions_only_past_the_usual_gaps() -
     count = share.count("r0")
     share.elapse(0.0, len(ids))
     assert share.count("r0") == pytest.approx(count)
+
+
+def test_busy_share_takes_no_gap_under_a_second_for_a_pause() -> None:
+    # A burst: decisions 1 ms apart; the next comes when a reply ends, 0.5 s later,
+    # 500 usual gaps. That is the traffic's own rhythm, not a pause.
+    share = BusyShare(window=4)
+    now = 0.0
+    for _ in range(8):
+        now += 0.001
+        share.elapse(now, 2)
+        share.decided(["r0"], "r0", 2)
+    count = share.count("r0")
+    share.elapse(now + 0.5, 2)
+    assert share.count("r0") == pytest.approx(count)
+    # Past a second it is one.
+    share.elapse(now + 2.0, 2)
+    assert share.count("r0") < count / 2
