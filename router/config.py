@@ -82,10 +82,11 @@ class RouterConfig:
     replica (and each replica's prior, so the first decisions do not swing it)."""
     balance_pause: float = 8.0
     """A gap between routing decisions longer than this many usual gaps (a decayed
-    mean) and than a second is a pause in the traffic: the busy shares fade as if the gap's decisions
-    beyond this many had found every replica idle, so the replicas that served the
-    traffic before a pause (and still hold its prefixes) are not priced out of the next
-    burst (docs/BENCHMARKS.md, "Pauses in the traffic"). 0 turns the fading off."""
+    mean) and than a second is a pause in the traffic: the busy shares fade as if the
+    gap's decisions beyond this many had found every replica idle, so the replicas that
+    served the traffic before a pause (and still hold its prefixes) are not priced out
+    of the next burst (docs/BENCHMARKS.md, "Pauses in the traffic"). 0 turns the fading
+    off."""
     queue_cap: float = 4.0
     """Safety cap: a replica whose queued prefill tokens exceed this × (the other
     replicas' mean queue + the prompt's tokens) is not chosen while another is."""
