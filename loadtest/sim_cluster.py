@@ -111,12 +111,16 @@ class SimCluster:
             self.backlog.extend(sorted(convs, key=lambda c: c.session.arrival_s))
             for _ in range(min(concurrency, len(convs))):
                 self._push(0.0, "turn", self.backlog.popleft())
-        self.ttfts: list[float] = []
         self.served: list[SimRequest] = []  # every request, at its first token
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.host_cached_tokens = 0  # of the cached ones, found on a host tier
         self.last_sweep = 0.0
+
+    @property
+    def ttfts(self) -> list[float]:
+        """Every request's time to first token, in first-token order."""
+        return [r.first_token_at - r.arrival for r in self.served]
 
     def _push(self, at: float, kind: str, payload: Any) -> None:
         self._tie += 1
@@ -186,7 +190,6 @@ class SimCluster:
 
     def _prefill_done(self, replica: SimReplica) -> None:
         for request in replica.finish_prefill(self.now, self.cost):
-            self.ttfts.append(request.first_token_at - request.arrival)
             self.served.append(request)
             self._push(request.first_token_at, "first_token", request.handle)
         self._reschedule(replica)
