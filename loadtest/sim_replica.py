@@ -4,7 +4,9 @@ the real ``PrefixCache`` whose events reach the router as Redis would deliver th
 * Prefill is FIFO, one group at a time: the queue's head, with the requests behind it
   that fit in the leftover token budget of its steps (``CostModel.prefill_chunk`` a
   step, as the engine's scheduler fills a step): short prompts share a step instead of
-  paying one each. A request's prefix match happens when its prefill starts (as in a
+  paying one each, except a prompt the group computes a further full block of, which
+  waits for those blocks (as the engine defers it: a burst on one new prefix computes
+  it once). A request's prefix match happens when its prefill starts (as in a
   real scheduler); blocks for prompt + reply are reserved then, and the head of the
   queue waits while they do not fit (a running request will release some).
 * Decode runs as one continuous batch, in the same steps as the prefill: a prefill
@@ -67,6 +69,18 @@ class SimRequest:
     block_ids: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     handle: InFlight | None = None  # the router's in-flight record
+
+
+def _computing_more_of(group: Sequence[SimRequest], tokens: list[int], cached: int) -> bool:
+    """Whether a request prefilling in ``group`` computes at least one more full block of
+    ``tokens`` than the cache holds (``cached`` tokens). The engine's scheduler then
+    defers the prompt until those blocks are committed, so that a burst on one new prefix
+    computes it once; it waits first in the queue."""
+    n = (cached // BLOCK_SIZE + 1) * BLOCK_SIZE  # up to the next full block
+    if n > len(tokens):
+        return False
+    head = tokens[:n]
+    return any(len(other.tokens) >= n and other.tokens[:n] == head for other in group)
 
 
 class RouterFeed:
@@ -169,9 +183,11 @@ class SimReplica:
         while self.queue:
             request = self.queue[0]
             if group:  # a follower joins only within the head's steps' budget
-                ahead = len(request.tokens) - self.cache.cached_tokens(request.tokens)
-                if tokens + ahead > capacity:
+                cached = self.cache.cached_tokens(request.tokens)
+                if tokens + len(request.tokens) - cached > capacity:
                     break
+                if _computing_more_of(group, request.tokens, cached):
+                    break  # it waits for those blocks (the engine's scheduler defers it)
             if not self._admit(request):
                 break  # the head waits for a running request to free blocks
             group.append(request)

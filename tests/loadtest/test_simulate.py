@@ -129,6 +129,27 @@ def test_prompts_queued_together_share_their_prefill_steps(head: int) -> None:
     assert rest is not None and rest[0] == requests[2:]  # 200 + 40 in one step
 
 
+def test_a_prompt_the_prefilling_group_computes_waits_for_its_blocks() -> None:
+    # The engine's scheduler defers a waiting prompt while a running prefill computes
+    # one more full block of it than the cache holds, so that a burst on one new prefix
+    # computes it once. Two 100-token prompts sharing their first 64 tokens: the second
+    # would fit in the first's step, but waits first in the queue (with all behind it),
+    # then finds the shared blocks cached. A prompt sharing less than a block joins.
+    cost = CostModel(prefill_chunk=512)
+    replica = SimReplica("r0", PrefixCache(num_blocks=400, block_size=16), scale=1.0)
+    shared = list(range(64))
+    first = SimRequest(None, shared + list(range(1000, 1036)), [1] * 4, 0.0)  # type: ignore[arg-type]
+    twin = SimRequest(None, shared + list(range(2000, 2036)), [1] * 4, 0.0)  # type: ignore[arg-type]
+    other = SimRequest(None, shared[:8] + list(range(3000, 3092)), [1] * 4, 0.0)  # type: ignore[arg-type]
+    replica.queue.extend([first, twin, other])
+    started = replica.start_prefill(0.0, cost)
+    assert started is not None and started[0] == [first]
+    replica.finish_prefill(started[1], cost)
+    rest = replica.start_prefill(started[1], cost, boundary=True)
+    assert rest is not None and rest[0] == [twin, other]
+    assert twin.cached == 64 and other.cached == 0
+
+
 def test_replies_that_end_in_one_step_leave_in_joining_order_not_by_address() -> None:
     # Two replies of one length, prefilled together, end at the same step. Ordered by
     # object address, which reply leaves first (and so the next decisions) would depend
