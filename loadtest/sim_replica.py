@@ -218,7 +218,14 @@ class SimReplica:
         match = cache.match(request.tokens)
         host_tokens = match.host_tokens
         swapped = 0
+        need = math.ceil((n + len(request.reply)) / BLOCK_SIZE)
         if host_tokens:  # copy the host tier's blocks in before the prefill
+            # Only if the whole request then fits, as the engine's scheduler does.
+            device = len(match.block_ids) - math.ceil(host_tokens / BLOCK_SIZE)
+            # (A partial last block is released before the allocation: it is room.)
+            if cache.room() < need - device:
+                cache.release(match.block_ids)
+                return False
             cached = match.cached_tokens
             match, swapped = cache.promote(match)
             if match.cached_tokens < cached:  # cut before the first block left on the host
@@ -228,9 +235,8 @@ class SimReplica:
         if match.cached_tokens % BLOCK_SIZE:  # a shared partial block: copy-on-write
             cache.release(held[-1:])
             held = held[:-1]
-        need = math.ceil((n + len(request.reply)) / BLOCK_SIZE) - len(held)
         try:
-            fresh = cache.allocate(need)
+            fresh = cache.allocate(need - len(held))
         except CacheFull:
             cache.release(held)
             return False

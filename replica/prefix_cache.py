@@ -164,6 +164,10 @@ class PrefixCache:
         hit = self._index.lookup(encode_tokens(token_ids), self.root(salt))
         return min(hit.tokens, len(token_ids) - 1) if token_ids else 0
 
+    def room(self) -> int:
+        """Device blocks ``allocate`` can hand out now: free, or cached but idle."""
+        return len(self._free) + len(self._policy)
+
     def promote(self, match: PrefixMatch) -> Promotion:
         """Copy the host blocks of ``match`` (from ``match``) into fresh device blocks, the
         caller's pins moving with them; the same match on device blocks only. When the
@@ -176,7 +180,7 @@ class PrefixCache:
             return Promotion(match, 0)
         ids = list(match.block_ids)
         on_host = [i for i, block_id in enumerate(ids) if host.holds(block_id)]
-        k = min(len(on_host), len(self._free) + len(self._policy))
+        k = min(len(on_host), self.room())
         fresh = self.allocate(k)  # the match's own blocks are pinned: never victims
         refs = self._refs
         mover.promote([host.slot(ids[i]) for i in on_host[:k]], fresh)

@@ -294,6 +294,14 @@ class Scheduler:
             self.cache.release(hit.block_ids)
             return False
         if hit.host_tokens:  # copy the host tier's blocks in before the prefill
+            # Only if the whole prompt then fits: a copy made for a prompt that waits
+            # anyway evicts idle device blocks for nothing, and its own blocks may go
+            # back to the host before the prompt is admitted (copied twice).
+            device = len(hit.block_ids) - math.ceil(hit.host_tokens / bs)
+            partial = hit.cached_tokens % bs != 0  # its copy-on-write block
+            if self.running and self.cache.room() < need_total - device + partial:
+                self.cache.release(hit.block_ids)
+                return False
             hit, blocks_in = self.cache.promote(hit)
             self.swapped_in_tokens += blocks_in * bs
         partial = hit.cached_tokens % bs != 0

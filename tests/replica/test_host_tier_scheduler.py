@@ -48,3 +48,31 @@ def test_a_host_hit_is_copied_in_and_charged_to_the_step(
     drain(sched)
     assert tokens(sink) == [[9, 10]]
     assert sched.cache.stats().pinned_blocks == 0
+
+
+def test_a_host_hit_that_cannot_be_admitted_yet_is_not_copied_in() -> None:
+    # A prompt whose prefix is on the host waits while a running request holds most of
+    # the pool. Copying its blocks in before the rest of the prompt fits would evict
+    # idle device blocks for nothing, and the running request's growth would demote the
+    # copies again before the prompt starts (copied twice). Nothing is copied until the
+    # whole prompt fits; then it is copied once and answered as before.
+    forward = CountUp()
+    sched = make(forward, 0.1)
+    prompt = list(range(100, 141))  # 10 full blocks + 1 token
+    add(sched, "a", prompt, max_tokens=1)
+    drain(sched)
+    add(sched, "pressure", list(range(300, 372)), max_tokens=1)  # a's tail to the host
+    drain(sched)
+    on_host = sched.cache.stats().host_cached_blocks
+    assert on_host >= 8
+    runner = add(sched, "runner", list(range(500, 556)), max_tokens=12)  # 14 blocks, growing
+    step(sched)
+    before = sched.cache.stats().promotions
+    sink = add(sched, "again", [*prompt, 7, 8], max_tokens=2)  # 11 blocks: cannot fit yet
+    while sched.running and sched.running[0].request.request_id == "runner":
+        step(sched)
+        if not any(s.request.request_id == "again" for s in sched.running):
+            assert sched.cache.stats().promotions == before  # waiting: nothing copied
+    drain(sched)
+    assert tokens(sink) == [[9, 10]] and len(tokens(runner)[0]) == 12
+    assert sched.cache.stats().promotions - before <= on_host  # each block copied once
