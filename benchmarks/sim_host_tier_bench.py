@@ -54,9 +54,9 @@ from prefixgate.procs import free_port
 from replica.sim.profile import COST_FIELDS, MIB
 from replica.sim.profiles import load_profile
 
-# /cache/stats counters summed over a cluster's replicas. The caches count per match: a
-# request that waits for free blocks is matched again each step, so ``queries`` may
-# exceed the requests and the token counters include those re-matches.
+# /cache/stats counters summed over a cluster's replicas. Each request counts once, when
+# it is admitted, however many steps it waited for free blocks (``matches_per_request``:
+# about 1, the warm-up's requests included).
 TIER_COUNTERS = (
     "queries",
     "query_tokens",

@@ -160,8 +160,8 @@ def live(
     keys = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "total_time_s")
     out = {k: summary[k] for k in keys}
     hit, host = (after - before for after, before in zip(tiers_after, tiers_before, strict=True))
-    # The replicas' counters split the client's hit rate by tier (they also count the
-    # re-matches of requests that waited for blocks, so only their ratio is used).
+    # The replicas' counters split the client's hit rate by tier (each request counted
+    # once, when admitted; the ratio keeps the client's own rate as the total).
     out["host_hit_rate"] = summary["hit_rate"] * host / hit if hit else 0.0
     out["requests"] = len(result.requests)
     out["replica_ids"] = replica_ids

@@ -130,14 +130,16 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------- lookup
 
-    def match(self, token_ids: Sequence[int], salt: str = "") -> PrefixMatch:
+    def match(
+        self, token_ids: Sequence[int], salt: str = "", *, record: bool = True
+    ) -> PrefixMatch:
         """The longest verified cached prefix of ``token_ids``, pinned for the caller.
         Blocks found on the host tier come back as host ids, counted in ``host_tokens``:
-        the caller passes the match to ``promote`` (or ``release``) right away."""
+        the caller passes the match to ``promote`` (or ``release``) right away.
+        ``record``: count it in the query and hit statistics now (False: the caller may
+        give the match back and look again later, and calls ``record`` once the lookup
+        is the one that counts; as vLLM counts a request once, when it is scheduled)."""
         n = len(token_ids)
-        stats = self._stats
-        stats.queries += 1
-        stats.query_tokens += n
         hit = self._index.lookup(encode_tokens(token_ids), self.root(salt))
         cached = min(hit.tokens, n - 1) if n else 0
         B = self._block_size
@@ -148,15 +150,25 @@ class PrefixCache:
             self._pin_one(block_id)
             if host is not None and host.holds(block_id):
                 host_tokens += min(B, cached - i * B)
-        if cached:
+        match = PrefixMatch(found, cached, host_tokens)
+        if record:
+            self.record(n, match)
+        return match
+
+    def record(self, query_tokens: int, match: PrefixMatch) -> None:
+        """Count one lookup of ``query_tokens`` tokens that found ``match`` (as ``match``
+        returned it, before any ``promote``) in the query and hit statistics."""
+        stats = self._stats
+        stats.queries += 1
+        stats.query_tokens += query_tokens
+        if match.cached_tokens:
             stats.hits += 1
-            stats.hit_tokens += cached
-            if host_tokens:
+            stats.hit_tokens += match.cached_tokens
+            if match.host_tokens:
                 stats.host_hits += 1
-                stats.host_hit_tokens += host_tokens
+                stats.host_hit_tokens += match.host_tokens
         else:
             stats.misses += 1
-        return PrefixMatch(found, cached, host_tokens)
 
     def cached_tokens(self, token_ids: Sequence[int], salt: str = "") -> int:
         """How many leading tokens of ``token_ids`` a ``match`` would find now (either

@@ -289,7 +289,9 @@ class Scheduler:
         request = seq.request
         bs = self.pool.block_size
         need_total = math.ceil(len(seq.token_ids) / bs)
-        hit = self.cache.match(seq.token_ids, request.salt)
+        # Counted in the cache's statistics only when admitted (below): a prompt that
+        # waits is looked up again every step.
+        hit = looked = self.cache.match(seq.token_ids, request.salt, record=False)
         if self._prefilling_more_of(seq, hit.cached_tokens // bs):
             self.cache.release(hit.block_ids)
             return False
@@ -304,6 +306,8 @@ class Scheduler:
                 return False
             hit, blocks_in = self.cache.promote(hit)
             self.swapped_in_tokens += blocks_in * bs
+            if hit.cached_tokens < looked.cached_tokens:  # cut: the copied blocks only
+                looked = PrefixMatch([], hit.cached_tokens, blocks_in * bs)
         partial = hit.cached_tokens % bs != 0
         try:
             fresh = self.cache.allocate(need_total - len(hit.block_ids) + int(partial))
@@ -313,7 +317,7 @@ class Scheduler:
                 return False  # running sequences will free blocks; retry next step
             # Nothing else is pinned, so ``need_total <= num_blocks`` fresh blocks exist;
             # only the extra copy-on-write block did not fit. Recompute without the hit.
-            hit = PrefixMatch([], 0)
+            hit = looked = PrefixMatch([], 0)
             partial = False
             fresh = self.cache.allocate(need_total)
         blocks = list(hit.block_ids)
@@ -326,9 +330,10 @@ class Scheduler:
         seq.block_ids = blocks + fresh
         seq.num_computed = hit.cached_tokens
         seq.shared_tail = False
-        if request.admitted_at is None:
+        if request.admitted_at is None:  # (a preempted request's return is not counted)
             request.admitted_at = self.clock()
             request.cached_tokens = hit.cached_tokens
+            self.cache.record(len(seq.token_ids), looked)
         self.running.append(seq)
         return True
 

@@ -259,3 +259,29 @@ def test_queued_prefill_tokens_count_a_waiting_prompt_beyond_its_cached_prefix()
     assert sched.cache.stats().pinned_blocks == len(sched.running[0].block_ids)  # no pins
     drain(sched)
     assert sched.queued_prefill_tokens == 0
+
+
+def test_a_prompt_that_waits_for_blocks_is_counted_once_when_admitted() -> None:
+    # A waiting prompt is looked up in the cache at every step until it fits. Counted
+    # at each lookup, it would weigh in the hit statistics once per step it waited (as
+    # vLLM's counters did, vllm-project/vllm#43736); it counts once, at admission, with
+    # the cached tokens its response reports.
+    sched = make(num_blocks=10)
+    add(sched, "a", list(range(1, 13)))  # 3 blocks, cached once done
+    drain(sched)
+    before = sched.cache.stats()
+    hog = add(sched, "hog", list(range(100, 124)), max_tokens=8)  # 6 blocks, then 8
+    step(sched)
+    late = add(sched, "late", [*range(1, 13), 50, 51, 52, 53, 54], max_tokens=2)  # 5 blocks
+    waited = 0
+    while not any(s.request.request_id == "late" for s in sched.running):
+        step(sched)
+        waited += 1
+    assert waited >= 2  # it was looked up at least twice before it fit
+    drain(sched)
+    stats = sched.cache.stats()
+    assert late.output is not None and hog.output is not None
+    assert stats.queries - before.queries == 2  # hog and late, once each
+    # (hog's growth evicted one of a's blocks while late waited: 8 of its 12 are left)
+    assert stats.hit_tokens - before.hit_tokens == late.output.cached_tokens == 8
+    assert stats.query_tokens - before.query_tokens == 24 + 17
