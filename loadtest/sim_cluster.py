@@ -167,7 +167,7 @@ class SimCluster:
             prompt_tokens=len(conv.tokens),
         )
         index = self.index_of[decision.replica_id]
-        request = SimRequest(conv, conv.tokens, reply, self.now, index)
+        request = SimRequest(conv, conv.tokens, reply, self.now, index, turn=conv.turn)
         request.handle = self.router.request_started(
             decision.replica_id, decision.uncached_tokens, decision.queued_tokens
         )

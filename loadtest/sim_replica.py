@@ -69,6 +69,7 @@ class SimRequest:
     block_ids: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     handle: InFlight | None = None  # the router's in-flight record
+    turn: int = 0  # which of its session's turns
 
 
 def _computing_more_of(group: Sequence[SimRequest], tokens: list[int], cached: int) -> bool:

@@ -81,7 +81,10 @@ def simulated(
     args: argparse.Namespace,
     blocks: int,
     replica_ids: list[str] | None = None,
+    requests: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """The simulator's figures; ``requests`` (if given) receives every request as it
+    served it."""
     from loadtest.simulate import simulate
 
     lengths = [len(p) for session in prompts for p in session]
@@ -101,6 +104,8 @@ def simulated(
         host_blocks_per_replica=host_blocks(args, blocks),
         replica_ids=replica_ids,
     )
+    if requests is not None:
+        requests += [served._asdict() for served in result.served]
     return {
         "hit_rate": result.hit_rate,
         "host_hit_rate": result.host_hit_rate,
@@ -114,6 +119,18 @@ def simulated(
     }
 
 
+def side_by_side(live: list[dict[str, Any]], sim: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each request with both sides' records (``live``, ``sim``; either may be
+    missing), matched by session and turn, in the simulator's first-token order."""
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for side, records in (("sim", sim), ("live", live)):
+        for record in records:
+            key = (record["session_id"], record["turn"])
+            row = rows.setdefault(key, {"session_id": key[0], "turn": key[1]})
+            row[side] = {k: v for k, v in record.items() if k not in ("session_id", "turn")}
+    return list(rows.values())
+
+
 def tier_tokens(stats: dict[str, dict[str, Any]]) -> tuple[int, int]:
     """Cached tokens matched, and of those found on the host tier, over every replica."""
     hit = sum(int(s.get("hit_tokens", 0)) for s in stats.values())
@@ -121,8 +138,14 @@ def tier_tokens(stats: dict[str, dict[str, Any]]) -> tuple[int, int]:
 
 
 def live(
-    sessions: list[Any], args: argparse.Namespace, blocks: int, run_dir: Path
+    sessions: list[Any],
+    args: argparse.Namespace,
+    blocks: int,
+    run_dir: Path,
+    requests: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """The live side's figures; ``requests`` (if given) receives the client's record of
+    every request."""
     from loadtest.cluster import launch_cluster, wait_ready
     from loadtest.replay import ReplayConfig, run_replay
 
@@ -156,6 +179,19 @@ def live(
         tiers_after = tier_tokens(cluster.cache_stats())
     finally:
         cluster.stop()
+    if requests is not None:
+        requests += [
+            {
+                "session_id": r.session_id,
+                "turn": r.turn,
+                "start_s": r.start_s,
+                "ttft_s": r.ttft_s,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "replica": r.replica,
+            }
+            for r in result.requests
+        ]
     summary = result.to_json({})["summary"]
     keys = ("hit_rate", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "total_time_s")
     out = {k: summary[k] for k in keys}
@@ -203,18 +239,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--run-dir", type=Path, help="keep the cluster's logs here")
     parser.add_argument(
+        "--requests",
+        type=Path,
+        help="write every request side by side here (JSON: session, turn, and each "
+        "side's time to first token, prompt and cached tokens, replica; the live side "
+        "only when it ran, not with --against)",
+    )
+    parser.add_argument(
         "--against",
         type=Path,
         help="a previous --out record: run only the simulator, against its live side (a "
         "simulator change checked on recorded runs, no cluster); its settings replace "
-        "these, except --out",
+        "these, except --out and --requests",
     )
     args = parser.parse_args(argv)
 
     recorded: dict[str, Any] | None = None
     if args.against is not None:
         recorded = json.loads(args.against.read_text())
-        given = recorded["args"] | {"out": args.out, "run_dir": None, "against": args.against}
+        given = recorded["args"] | {
+            "out": args.out,
+            "requests": args.requests,
+            "run_dir": None,
+            "against": args.against,
+        }
         args = argparse.Namespace(**given)
         params = dict(recorded["params"])
     else:
@@ -229,21 +277,23 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sessions = skewed_docs.generate(seed=args.seed, **params)
     prompts = live_prompts(sessions, MODEL)
+    live_requests: list[dict[str, Any]] = []
+    sim_requests: list[dict[str, Any]] = []
     if recorded is not None:
         blocks, got = recorded["blocks"], recorded["live"]
     else:
         blocks = size_cache(sessions, prompts, MODEL, args.fraction).num_blocks
         started = time.monotonic()
         if args.run_dir is not None:
-            got = live(sessions, args, blocks, args.run_dir)
+            got = live(sessions, args, blocks, args.run_dir, live_requests)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                got = live(sessions, args, blocks, Path(tmp) / "run")
+                got = live(sessions, args, blocks, Path(tmp) / "run", live_requests)
         got["wall_s"] = round(time.monotonic() - started, 1)
     print(f"[validate] live sim replicas: {got}", flush=True)
     # Under the live replicas' names: the conversation ring then places every session
     # where the live gateway did (with tight pools, placement alone moves the hit rate).
-    sim = simulated(sessions, prompts, args, blocks, got["replica_ids"])
+    sim = simulated(sessions, prompts, args, blocks, got["replica_ids"], sim_requests)
     print(f"[validate] simulator: {sim}", flush=True)
     hit_gap = abs(got["hit_rate"] - sim["hit_rate"])
     # With --slowdown 0 the simulated device takes no time: the live TTFT is the host's.
@@ -260,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_ok": abs(ttft_ratio - 1) <= 0.15,
     }
     print(f"[validate] {verdict}", flush=True)
+    if args.requests is not None:
+        args.requests.parent.mkdir(parents=True, exist_ok=True)
+        args.requests.write_text(json.dumps(side_by_side(live_requests, sim_requests)) + "\n")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

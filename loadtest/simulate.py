@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from loadtest.sim_client import BLOCK_SIZE, MODEL_ID, WordTokenizer, reply_tokens
 from loadtest.sim_cluster import SimCluster
@@ -26,6 +26,19 @@ from loadtest.sim_cost import CostModel
 from loadtest.workloads import Session
 from router.config import RouterConfig
 from router.protocol import block_keys, root_key
+
+
+class SimServed(NamedTuple):
+    """One request as the simulator served it (times in simulated seconds)."""
+
+    session_id: str
+    turn: int
+    arrival_s: float
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    host_cached_tokens: int
+    replica: str
 
 
 @dataclass(slots=True)
@@ -45,6 +58,7 @@ class SimResult:
     ttft_mean_s: float
     total_time_s: float
     decisions: dict[str, int]
+    served: list[SimServed] = field(default_factory=list)  # in first-token order
 
     @property
     def load_imbalance(self) -> float:
@@ -138,6 +152,19 @@ def simulate(
         ttft_mean_s=statistics.fmean(ttfts) if ttfts else 0.0,
         total_time_s=sim.now,
         decisions=dict(sim.router.stats()["decisions"]),
+        served=[
+            SimServed(
+                r.conv.session.session_id,
+                r.turn,
+                r.arrival,
+                r.first_token_at - r.arrival,
+                len(r.tokens),
+                r.cached,
+                r.host_cached,
+                sim.replicas[r.replica].replica_id,
+            )
+            for r in sim.served
+        ],
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.sim_cluster import SimCluster
-from loadtest.sim_validate import PREFILL_CHUNK, ProfileCost, main
+from loadtest.sim_validate import PREFILL_CHUNK, ProfileCost, main, side_by_side
 from loadtest.simulate import simulate
 from loadtest.workloads import Session, Turn
 from replica.sim.profiles import builtin_profiles
@@ -87,8 +87,17 @@ def test_against_a_record_simulates_again_against_its_live_side(tmp_path: Path) 
     record = {"args": args, "blocks": 200, "params": params, "live": live}
     (tmp_path / "old.json").write_text(json.dumps(record))
     out = tmp_path / "new.json"
-    main(["--against", str(tmp_path / "old.json"), "--out", str(out), "--policy", "random"])
+    sides = tmp_path / "requests.json"
+    old = str(tmp_path / "old.json")
+    main(["--against", old, "--out", str(out), "--policy", "random", "--requests", str(sides)])
     again = json.loads(out.read_text())
+    # Each request side by side: only the simulator's here (the live run is a record).
+    rows = json.loads(sides.read_text())
+    assert sorted((r["session_id"], r["turn"]) for r in rows) == sorted(
+        (session, turn) for session in {r["session_id"] for r in rows} for turn in (0, 1)
+    )
+    assert len(rows) == 8 and all("live" not in r and r["sim"]["ttft_s"] > 0 for r in rows)
+    assert {r["sim"]["replica"] for r in rows} <= {"127.0.0.1:1", "127.0.0.1:2"}  # its names
     assert again["live"] == live and again["blocks"] == 200
     assert again["args"]["policy"] == "cache_aware"  # the record's settings, not the flags
     sim = again["simulator"]
@@ -96,3 +105,24 @@ def test_against_a_record_simulates_again_against_its_live_side(tmp_path: Path) 
     verdict = again["verdict"]
     assert verdict["hit_rate_gap"] == pytest.approx(abs(0.5 - sim["hit_rate"]), abs=1e-4)
     assert verdict["ttft_p50_live_over_sim"] == pytest.approx(0.2 / sim["ttft_p50_s"], abs=1e-3)
+
+
+def test_side_by_side_matches_the_requests_by_session_and_turn() -> None:
+    sim = [
+        {"session_id": "b", "turn": 0, "ttft_s": 0.1},
+        {"session_id": "a", "turn": 0, "ttft_s": 0.2},
+    ]
+    live = [
+        {"session_id": "a", "turn": 0, "ttft_s": 0.25, "replica": "r1"},
+        {"session_id": "a", "turn": 1, "ttft_s": 0.3, "replica": "r1"},  # no sim record
+    ]
+    assert side_by_side(live, sim) == [
+        {"session_id": "b", "turn": 0, "sim": {"ttft_s": 0.1}},
+        {
+            "session_id": "a",
+            "turn": 0,
+            "sim": {"ttft_s": 0.2},
+            "live": {"ttft_s": 0.25, "replica": "r1"},
+        },
+        {"session_id": "a", "turn": 1, "live": {"ttft_s": 0.3, "replica": "r1"}},
+    ]

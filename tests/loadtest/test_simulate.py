@@ -34,6 +34,15 @@ def test_every_turn_is_served_and_runs_are_deterministic() -> None:
     assert a.requests == sum(len(s.turns) for s in sessions) == sum(a.requests_per_replica)
     assert a == simulate(sessions, "cache_aware", 3, 200)
     assert 0 < a.hit_rate < 1 and a.ttft_p50_s <= a.ttft_p99_s < a.total_time_s
+    # Each request once, as served: its session's turns in order, on a named replica.
+    assert sorted((r.session_id, r.turn) for r in a.served) == sorted(
+        (s.session_id, t) for s in sessions for t in range(len(s.turns))
+    )
+    assert sum(r.cached_tokens for r in a.served) / sum(r.prompt_tokens for r in a.served) == (
+        pytest.approx(a.hit_rate)
+    )
+    assert {r.replica for r in a.served} <= {"replica-0", "replica-1", "replica-2"}
+    assert all(0 <= r.ttft_s <= a.total_time_s for r in a.served)
 
 
 def test_cache_aware_beats_round_robin_and_stays_near_the_oracle() -> None:
