@@ -19,7 +19,8 @@ API clients send it, without conversation ids, on both sides.
 
 ``--against RECORD`` runs only the simulator, against a previous ``--out`` record's live
 side (its settings, cache size and live figures): a simulator change checked on recorded
-runs, without a cluster.
+runs, without a cluster. ``--requests FILE`` writes every request side by side (by
+session and turn), to find the first request where the two sides part.
 """
 
 from __future__ import annotations
