@@ -184,19 +184,45 @@ class Scheduler:
         """Prompt tokens still to compute: each waiting sequence's beyond its cached
         prefix, and the rest of each running prefill. Routers add this to their own
         view of the queue, which counts requests' uncached tokens only (router/load.py).
-        A waiting sequence's prefix is looked up once, when first counted here."""
+        A waiting sequence's prefix is looked up once, when first counted here. The
+        full blocks of it that a prompt ahead (prefilling, or waiting before it) will
+        compute count as cached too: it shares them once they are committed (a burst on
+        one new prefix computes it once), so it adds only its own tail to the queue."""
         cached = self._waiting_cached
         now: dict[tuple[str, int], int] = {}
         total = 0
+        ahead = [s for s in self.running if s.num_computed < s.num_prompt]
         for s in self.waiting:
             key = (s.request.request_id, s.index)
             hit = cached.get(key)
             if hit is None:
                 hit = self.cache.cached_tokens(s.token_ids, s.request.salt)
+                hit = max(hit, self._shared_with(s, ahead))
             now[key] = hit
             total += max(1, s.num_to_compute - hit)
+            ahead.append(s)
         self._waiting_cached = now  # sequences no longer waiting drop out
         return total + sum(s.num_to_compute for s in self.running if s.num_to_compute > 1)
+
+    def _shared_with(self, seq: SequenceState, ahead: list[SequenceState]) -> int:
+        """The most prompt tokens, in full blocks, that ``seq`` shares with the prompt of
+        a sequence in ``ahead`` (same salt), less one: what it will find cached once
+        that prompt is computed."""
+        bs = self.pool.block_size
+        prompt = seq.token_ids[: seq.num_prompt]
+        best = 0
+        for other in ahead:
+            if other.request.salt != seq.request.salt:
+                continue
+            limit = min(seq.num_prompt, other.num_prompt) // bs * bs
+            n = best
+            # A longer share than the best so far must agree up to it: check that first.
+            if limit <= best or other.token_ids[:best] != prompt[:best]:
+                continue
+            while n + bs <= limit and other.token_ids[n : n + bs] == prompt[n : n + bs]:
+                n += bs
+            best = n
+        return min(best, seq.num_prompt - 1)
 
     # ------------------------------------------------------------------------- one step
 

@@ -285,3 +285,22 @@ def test_a_prompt_that_waits_for_blocks_is_counted_once_when_admitted() -> None:
     # (hog's growth evicted one of a's blocks while late waited: 8 of its 12 are left)
     assert stats.hit_tokens - before.hit_tokens == late.output.cached_tokens == 8
     assert stats.query_tokens - before.query_tokens == 24 + 17
+
+
+def test_queued_prefill_tokens_count_a_prefix_shared_with_a_prompt_ahead_once() -> None:
+    # Two waiting prompts share 16 tokens (4 full blocks) that nobody holds yet: the
+    # first computes them and the second finds them cached (it is even deferred until
+    # they are), so the second adds only its own tail to the reported queue. Reported
+    # whole, a burst on one new document looked like a long queue to the router, which
+    # then copied the document elsewhere. A prompt sharing less than a block adds all.
+    sched = make(max_running=1)
+    add(sched, "b", list(range(100, 106)))  # runs, holding the only slot
+    step(sched)
+    shared = list(range(1, 17))
+    add(sched, "p1", [*shared, 50, 51, 52])  # 19 tokens, nothing cached
+    add(sched, "p2", [*shared, 60, 61, 62])  # the same 16, then its own 3
+    add(sched, "p3", [*shared[:3], 70, 71, 72, 73])  # shares less than a block
+    assert [s.request.request_id for s in sched.waiting] == ["p1", "p2", "p3"]
+    assert sched.queued_prefill_tokens == 19 + 3 + 7
+    drain(sched)
+    assert sched.queued_prefill_tokens == 0
