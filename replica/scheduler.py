@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -191,29 +191,49 @@ class Scheduler:
         cached = self._waiting_cached
         now: dict[tuple[str, int], int] = {}
         total = 0
-        ahead = [s for s in self.running if s.num_computed < s.num_prompt]
+        # The prompts ahead by salt and first block, built at the first sequence not
+        # counted yet (this runs after every step: a queue already counted costs O(n)).
+        ahead: dict[tuple[str, tuple[int, ...]], list[SequenceState]] | None = None
         for s in self.waiting:
             key = (s.request.request_id, s.index)
             hit = cached.get(key)
             if hit is None:
+                if ahead is None:
+                    ahead = {}
+                    for other in self.running:
+                        if other.num_computed < other.num_prompt:
+                            self._add_ahead(ahead, other)
+                    for other in self.waiting:
+                        if other is s:
+                            break
+                        self._add_ahead(ahead, other)
                 hit = self.cache.cached_tokens(s.token_ids, s.request.salt)
-                hit = max(hit, self._shared_with(s, ahead))
+                hit = max(hit, self._shared_with(s, ahead.get(self._head(s), ())))
             now[key] = hit
             total += max(1, s.num_to_compute - hit)
-            ahead.append(s)
+            if ahead is not None:
+                self._add_ahead(ahead, s)
         self._waiting_cached = now  # sequences no longer waiting drop out
         return total + sum(s.num_to_compute for s in self.running if s.num_to_compute > 1)
 
-    def _shared_with(self, seq: SequenceState, ahead: list[SequenceState]) -> int:
+    def _head(self, seq: SequenceState) -> tuple[str, tuple[int, ...]]:
+        """``seq``'s salt and first block: only prompts alike in both share blocks."""
+        return seq.request.salt, tuple(seq.token_ids[: self.pool.block_size])
+
+    def _add_ahead(
+        self, ahead: dict[tuple[str, tuple[int, ...]], list[SequenceState]], seq: SequenceState
+    ) -> None:
+        if seq.num_prompt >= self.pool.block_size:  # a shorter prompt shares no full block
+            ahead.setdefault(self._head(seq), []).append(seq)
+
+    def _shared_with(self, seq: SequenceState, ahead: Sequence[SequenceState]) -> int:
         """The most prompt tokens, in full blocks, that ``seq`` shares with the prompt of
-        a sequence in ``ahead`` (same salt), less one: what it will find cached once
-        that prompt is computed."""
+        a sequence in ``ahead`` (its first block and salt already alike), less one: what
+        it will find cached once that prompt is computed."""
         bs = self.pool.block_size
         prompt = seq.token_ids[: seq.num_prompt]
         best = 0
         for other in ahead:
-            if other.request.salt != seq.request.salt:
-                continue
             limit = min(seq.num_prompt, other.num_prompt) // bs * bs
             n = best
             # A longer share than the best so far must agree up to it: check that first.
