@@ -16,6 +16,14 @@ class RouterConfig:
     prefill_s_per_token: float = 0.00015
     """Prefill seconds per uncached token assumed before the router has timed any
     replica (then fitted per replica to its first bytes, router/cost.py)."""
+    prefill_drain: float = 1.0
+    """How fast the prompt a replica is prefilling is taken to progress, as a fraction
+    of what the replica's fit predicts (``fixed + cost × tokens`` from when it reached
+    the front of this gateway's queue there): its computed tokens leave the router's
+    view of that queue before its first byte (``Router._queued_now``). 0: a queued
+    prompt counts whole until its first byte, so a replica looks a long prompt deep for
+    all of its prefill (simulator grid: worst hit 0.927x the oracle's against 0.947x;
+    docs/BENCHMARKS.md, "The prompt being prefilled drains")."""
     recompute_weight: float = 1.5
     """Uncached tokens count this many times in the choice (the queue ahead once): a
     recomputed prefix costs the cluster compute and cache space, a wait does not."""
@@ -134,6 +142,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.prefill_s_per_token > 0:
             raise ValueError("prefill_s_per_token must be positive")
+        if not self.prefill_drain >= 0:
+            raise ValueError("prefill_drain must be non-negative")
         if self.recompute_weight < 1:
             raise ValueError("recompute_weight must be at least 1")
         if not self.pending_recompute_weight >= 1:

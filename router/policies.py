@@ -185,8 +185,9 @@ class CacheAware(Policy):
                             + load(r) × running(r)
 
     * ``queued(r)``: prefill tokens already waiting or running there (this gateway's
-      routed requests until their first byte, plus what other gateways had there at the
-      replica's last heartbeat; router/load.py);
+      routed requests until their first byte, less what the oldest of them has had
+      time to compute by the fit, ``Router._queued_now``; plus what other gateways had
+      there at the replica's last heartbeat, router/load.py);
     * ``uncached(r)``: this request's prompt tokens beyond its prefix cached there;
     * ``swap(r)``: the matched tokens on its host KV tier × ``swap_in_token_cost`` (they
       are copied back to the device, not computed);

@@ -63,6 +63,11 @@ class ReplicaView:
     load: LoadTracker = field(default_factory=LoadTracker)
     # This gateway's requests there that have not finished (insertion order: oldest first).
     requests: dict[InFlight, None] = field(default_factory=dict)
+    # The oldest of those still waiting for their first byte with tokens to compute:
+    # the prompt the replica is taken to be prefilling (it takes prompts in arrival
+    # order), since ``head_since`` (router clock; ``Router.route`` drains it).
+    head: InFlight | None = None
+    head_since: float = 0.0
     last_seen: float = 0.0  # last registry record / heartbeat (discovered replicas)
     ttl_s: float = 15.0
     publishes_events: bool = False  # seen an event or snapshot: optimistic inserts expire
@@ -227,6 +232,7 @@ class Router:
         cluster = self.cluster_cost
         per_token, per_running, fixed = cluster.s_per_token, cluster.s_per_running, cluster.fixed_s
         swap = self.config.swap_in_token_cost
+        drain = self.config.prefill_drain
         decode = self.config.decode_tokens_per_request
         candidates = []
         for v in views:
@@ -234,12 +240,18 @@ class Router:
             length = len(short) * v.block_size if prompt_tokens is None else prompt_tokens
             k = v.speed.factor
             load = v.load
+            queued = load.queued
+            head = v.head
+            if head is not None:  # inlined ``_queued_now`` (hot path)
+                done = int(((now - v.head_since) * drain - fixed * k) / (per_token * k))
+                if done > 0:
+                    queued -= min(head.uncached_tokens, done)
             candidates.append(
                 Candidate(
                     v.replica_id,
                     load.load,
                     matched,
-                    load.queued,
+                    queued,
                     max(1, length - matched * v.block_size),  # at least one token computed
                     per_token * k,
                     per_running * k,
@@ -308,6 +320,8 @@ class Router:
             request.running = view.load.load
             view.requests[request] = None
             view.load.started(request.uncached_tokens)
+            if view.head is None and request.uncached_tokens:
+                view.head, view.head_since = request, request.started_at
         else:
             request.queued, request.done = False, True  # nothing to account for
         return request
@@ -323,6 +337,8 @@ class Router:
         if view is None or request not in view.requests:
             return
         view.load.first_byte(request.uncached_tokens)
+        if view.head is request:
+            self._next_head(view)
         tokens = request.queued_tokens + request.uncached_tokens
         ttft_s = self.clock() - request.started_at
         # The cluster's fit is of a speed-1 replica: each sample divided by its replica's
@@ -359,7 +375,33 @@ class Router:
         view = self._replicas.get(request.replica_id)
         if view is not None and view.requests.pop(request, 0) is None:  # it was there
             view.load.finished(request.uncached_tokens if request.queued else 0)
+            if view.head is request:
+                self._next_head(view)
         request.queued = False
+
+    def _queued_now(self, view: ReplicaView) -> int:
+        """The prefill tokens queued at the replica now, as far as this gateway can tell:
+        its load's count, less what the prompt it is prefilling (``head``) has had time
+        to compute since it reached the front, by the replica's fit (a prompt at the
+        front takes ``fixed + cost × tokens``: after ``t`` seconds, ``(t − fixed) /
+        cost`` of its tokens are done), at most that prompt's own tokens. Without it,
+        a replica prefilling a long prompt looks that prompt's full length deep until
+        its first byte, and the next request for a prefix it holds is copied elsewhere
+        to dodge a queue that is nearly gone (docs/BENCHMARKS.md, "The prompt being
+        prefilled drains")."""
+        queued, head = view.load.queued, view.head
+        if head is None:
+            return queued
+        k, fit = view.speed.factor, self.cluster_cost
+        elapsed = (self.clock() - view.head_since) * self.config.prefill_drain
+        done = int((elapsed - fit.fixed_s * k) / (fit.s_per_token * k))
+        return queued - min(head.uncached_tokens, done) if done > 0 else queued
+
+    def _next_head(self, view: ReplicaView) -> None:
+        """The head left the queue (first byte, failure, cancellation): the next request
+        in order with tokens to compute is taken to start its prefill now."""
+        view.head = next((r for r in view.requests if r.queued and r.uncached_tokens), None)
+        view.head_since = self.clock()
 
     def report_probe(self, replica_id: str, ok: bool) -> None:
         view = self._replicas.get(replica_id)
@@ -476,7 +518,7 @@ class Router:
                     "breaker": v.breaker_state,
                     "in_flight": v.in_flight,
                     "load": v.load.load,
-                    "queued_tokens": v.load.queued,
+                    "queued_tokens": self._queued_now(v),
                     "own_queued_tokens": v.load.queued_tokens,
                     "speed_factor": v.speed.factor,
                     "fixed_s": self.cluster_cost.fixed_s * v.speed.factor,
@@ -504,6 +546,8 @@ class Router:
                 r.uncached_tokens for r in view.requests if r.queued
             )
             assert all(not r.done and r.replica_id == view.replica_id for r in view.requests)
+            queued = [r for r in view.requests if r.queued and r.uncached_tokens]
+            assert view.head is (queued[0] if queued else None)
         self.cluster_cost.check_invariants()
 
 

@@ -66,6 +66,38 @@ def test_routed_tokens_count_until_the_first_byte_which_teaches_the_cost() -> No
     router.check_invariants()
 
 
+def test_the_prompt_being_prefilled_drains_from_the_queue_as_time_passes() -> None:
+    # 8,192 tokens a second (times below are exact in binary).
+    router, clock = make(decode_tokens_per_request=0, prefill_s_per_token=2**-13)
+    first = router.request_started("r0", uncached_tokens=1_000)
+    second = router.request_started("r0", uncached_tokens=400)
+    assert router.route(prompt(1, 8), prompt_tokens=128, exclude={"r1"}).queued_tokens == 1_400
+    clock.now += 1 / 16  # the first prompt, the oldest, is 512 tokens in
+    assert router.route(prompt(1, 8), prompt_tokens=128, exclude={"r1"}).queued_tokens == 888
+    assert router.stats()["replicas"]["r0"]["queued_tokens"] == 888
+    clock.now += 1.0  # long overdue: it drains no further than its own tokens
+    assert router.route(prompt(1, 8), prompt_tokens=128, exclude={"r1"}).queued_tokens == 400
+    # It fails (a first byte would do the same, and teach the cost): the second prompt
+    # starts now, not when it was sent.
+    router.request_finished(first, ok=None)
+    assert router.route(prompt(1, 8), prompt_tokens=128, exclude={"r1"}).queued_tokens == 400
+    clock.now += 1 / 32
+    assert router.route(prompt(1, 8), prompt_tokens=128, exclude={"r1"}).queued_tokens == 144
+    router.first_byte(second)
+    assert router.stats()["replicas"]["r0"]["queued_tokens"] == 0
+    # With a fixed part in the fit, a prompt at the front computes nothing before it.
+    fit = router.cluster_cost
+    fit.fixed_s, fit.s_per_token = 1 / 8, 2**-13
+    router.replicas["r0"].speed.factor = 1.0
+    third = router.request_started("r0", uncached_tokens=1_000)
+    clock.now += 1 / 8
+    assert router.route(prompt(1, 8), prompt_tokens=128, exclude={"r1"}).queued_tokens == 1_000
+    clock.now += 1 / 16
+    assert router.route(prompt(1, 8), prompt_tokens=128, exclude={"r1"}).queued_tokens == 488
+    router.request_finished(third, ok=True)
+    router.check_invariants()
+
+
 def test_a_slower_replica_learns_a_higher_cost_and_new_work_shifts_away() -> None:
     router, clock = make(decode_tokens_per_request=0)
     # r0 answers 4x slower per token than r1.
