@@ -22,8 +22,8 @@ class RouterConfig:
     the front of this gateway's queue there): its computed tokens leave the router's
     view of that queue before its first byte (``Router._queued_now``). 0: a queued
     prompt counts whole until its first byte, so a replica looks a long prompt deep for
-    all of its prefill (simulator grid: worst hit 0.927x the oracle's against 0.947x;
-    docs/BENCHMARKS.md, "The prompt being prefilled drains")."""
+    all of its prefill (simulator grid, seeds 0-2: worst hit 0.927x the oracle's, 0.947x
+    at 1; docs/BENCHMARKS.md, "The prompt being prefilled drains")."""
     recompute_weight: float = 1.5
     """Uncached tokens count this many times in the choice (the queue ahead once): a
     recomputed prefix costs the cluster compute and cache space, a wait does not."""

@@ -104,9 +104,11 @@ class LoadTracker:
             value = (count, tokens)
         return value
 
-    def report(self, load: ReplicaLoad, at: float | None = None) -> None:
+    def report(self, load: ReplicaLoad, at: float | None = None, drained: int = 0) -> None:
         """The replica's report, stamped ``at`` (its wall clock; None: as of now). The
-        same record read again (same stamp) changes nothing."""
+        same record read again (same stamp) changes nothing. ``drained``: of this
+        gateway's queued tokens at that time, those the router takes as computed
+        already (the prompt being prefilled, router/router.py): not the others'."""
         if at is not None and at == self.reported_at:
             return
         now = self.clock()
@@ -114,7 +116,7 @@ class LoadTracker:
         self.reported, self.reported_at = load, at
         count, tokens = self._at(stamp) if stamp < now else (self.in_flight, self.queued_tokens)
         self.others = max(0, load.running + load.waiting - count)
-        self.others_tokens = max(0, load.queued_prefill_tokens - tokens)
+        self.others_tokens = max(0, load.queued_prefill_tokens - (tokens - drained))
         self.others_until = stamp + self.report_ttl_s
 
     @property

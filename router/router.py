@@ -381,21 +381,25 @@ class Router:
 
     def _queued_now(self, view: ReplicaView) -> int:
         """The prefill tokens queued at the replica now, as far as this gateway can tell:
-        its load's count, less what the prompt it is prefilling (``head``) has had time
-        to compute since it reached the front, by the replica's fit (a prompt at the
-        front takes ``fixed + cost × tokens``: after ``t`` seconds, ``(t − fixed) /
-        cost`` of its tokens are done), at most that prompt's own tokens. Without it,
-        a replica prefilling a long prompt looks that prompt's full length deep until
-        its first byte, and the next request for a prefix it holds is copied elsewhere
-        to dodge a queue that is nearly gone (docs/BENCHMARKS.md, "The prompt being
-        prefilled drains")."""
-        queued, head = view.load.queued, view.head
-        if head is None:
-            return queued
+        its load's count, less what the prompt it is prefilling has computed
+        (``_drained``). Without it, a replica prefilling a long prompt looks that
+        prompt's full length deep until its first byte, and the next request for a
+        prefix it holds is copied elsewhere to dodge a queue that is nearly gone
+        (docs/BENCHMARKS.md, "The prompt being prefilled drains")."""
+        return view.load.queued - self._drained(view, self.clock())
+
+    def _drained(self, view: ReplicaView, at: float) -> int:
+        """How many of its tokens the prompt the replica is prefilling (``head``) had
+        computed at router time ``at``, by the replica's fit: a prompt at the front
+        takes ``fixed + cost × tokens``, so after ``t`` seconds there ``(t − fixed) /
+        cost`` are done; at most its own tokens."""
+        head = view.head
+        if head is None or at <= view.head_since:
+            return 0
         k, fit = view.speed.factor, self.cluster_cost
-        elapsed = (self.clock() - view.head_since) * self.config.prefill_drain
+        elapsed = (at - view.head_since) * self.config.prefill_drain
         done = int((elapsed - fit.fixed_s * k) / (fit.s_per_token * k))
-        return queued - min(head.uncached_tokens, done) if done > 0 else queued
+        return min(head.uncached_tokens, done) if done > 0 else 0
 
     def _next_head(self, view: ReplicaView) -> None:
         """The head left the queue (first byte, failure, cancellation): the next request
@@ -420,8 +424,13 @@ class Router:
         (None: as of now; router/load.py); also refreshes its registry age."""
         view = self._replicas.get(replica_id)
         if view is not None:
-            view.load.report(load, at)
-            view.last_seen = self.clock()
+            # The report counts what the replica had left of this gateway's prompts, so
+            # what this gateway's view had drained by the report's time is not the
+            # others' (the stamp is the replica's wall clock, the drain the router's).
+            now = self.clock()
+            ago = max(0.0, view.load.clock() - at) if at is not None else 0.0
+            view.load.report(load, at, drained=self._drained(view, now - ago))
+            view.last_seen = now
 
     # ----------------------------------------------------------------------- index feed
 

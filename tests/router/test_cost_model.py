@@ -197,6 +197,17 @@ def test_other_gateways_queued_tokens_come_from_the_replicas_report() -> None:
     assert router.stats()["replicas"]["r0"]["queued_tokens"] == 800
 
 
+def test_what_this_gateways_view_drained_is_not_counted_as_other_gateways_load() -> None:
+    router, clock = make(2, prefill_s_per_token=2**-13)
+    router.request_started("r0", uncached_tokens=1_000)
+    clock.now += 1 / 16  # 512 of its tokens computed
+    # The replica has 488 of ours left and 300 of another gateway's.
+    router.update_load("r0", ReplicaLoad(running=2, queued_prefill_tokens=788))
+    assert router.replicas["r0"].load.others_tokens == 300
+    assert router.stats()["replicas"]["r0"]["queued_tokens"] == 788
+    router.check_invariants()
+
+
 def test_a_request_ended_by_replica_id_ends_the_oldest_handle() -> None:
     router, _ = make(1)
     first = router.request_started("r0", 10)
