@@ -57,16 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/two-gateways"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--option", action="append", default=[], help="router NAME=VALUE")
     args = parser.parse_args(argv)
 
     sessions = generate(args.workload, seed=args.seed, **LIVE_PARAMS.get(args.workload, {}))
     blocks = size_cache(sessions, live_prompts(sessions, MODEL), MODEL, args.fraction).num_blocks
-    cluster = launch_cluster(args.replicas, MODEL, args.policy, blocks, args.run_dir)
+    cluster = launch_cluster(
+        args.replicas, MODEL, args.policy, blocks, args.run_dir, router_options=args.option
+    )
     extra: JoinedGateway | None = None
     try:
         wait_ready(cluster, 300)
         cluster.warm_up(MODEL)
-        extra = join_gateway(cluster, MODEL, args.policy, args.run_dir / "gateway-2.log")
+        extra = join_gateway(
+            cluster, MODEL, args.policy, args.run_dir / "gateway-2.log", router_options=args.option
+        )
         other_url = extra.base_url
         cluster.reset_prefix_cache()
         one = replay(sessions, cluster.base_url, args.concurrency, args.seed)
