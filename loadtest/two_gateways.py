@@ -8,7 +8,8 @@ gateway sees the other's placements through the replicas' block events).
 One ``prefixgate up --model sim`` cluster (its gateway is the first); a second
 ``prefixgate gateway`` joins the same Redis and replicas. Each arrangement starts from
 empty caches (``POST /reset_prefix_cache``); the sessions are dealt alternately to the
-two gateways, each replayed with half the concurrency, at the same time.
+two gateways, each replayed with half the concurrency, at the same time. ``--option
+NAME=VALUE`` (repeatable) is a router setting for both gateways.
 """
 
 from __future__ import annotations
