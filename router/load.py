@@ -17,9 +17,10 @@ a past time comes from a short log of this gateway's own changes (wall-clock sta
 the replica's report is).
 
 Queued prefill tokens follow the same split: this gateway's own are the predicted
-uncached tokens of its requests there that have not sent their first byte yet; the
-others' are the replica's ``queued_prefill_tokens`` less this gateway's own at the
-report's time.
+uncached tokens of its requests there that have not sent their first byte yet (less
+what the prompt being prefilled has computed, router/router.py); the others' are the
+replica's ``queued_prefill_tokens`` less this gateway's own at the report's time, that
+part subtracted too.
 """
 
 from __future__ import annotations
