@@ -20,10 +20,10 @@ class RouterConfig:
     """How fast the prompt a replica is prefilling is taken to progress, as a fraction
     of what the replica's fit predicts (``fixed + cost × tokens`` from when it reached
     the front of this gateway's queue there): its computed tokens leave the router's
-    view of that queue before its first byte (``Router._queued_now``). 0: a queued
-    prompt counts whole until its first byte, so a replica looks a long prompt deep for
-    all of its prefill (simulator grid, seeds 0-2: worst hit 0.927x the oracle's, 0.947x
-    at 1; docs/BENCHMARKS.md, "The prompt being prefilled drains")."""
+    view of that queue before its first byte (``Router._queued_now``). 0 to 100. 0: a
+    queued prompt counts whole until its first byte, so a replica looks a long prompt
+    deep for all of its prefill (simulator grid, seeds 0-2: worst hit 0.927x the
+    oracle's, 0.947x at 1; docs/BENCHMARKS.md, "The prompt being prefilled drains")."""
     recompute_weight: float = 1.5
     """Uncached tokens count this many times in the choice (the queue ahead once): a
     recomputed prefix costs the cluster compute and cache space, a wait does not."""
@@ -142,8 +142,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.prefill_s_per_token > 0:
             raise ValueError("prefill_s_per_token must be positive")
-        if not self.prefill_drain >= 0:
-            raise ValueError("prefill_drain must be non-negative")
+        # Bounded: the elapsed time times a huge factor overflows to inf in route().
+        if not 0 <= self.prefill_drain <= 100:
+            raise ValueError("prefill_drain must be between 0 and 100")
         if self.recompute_weight < 1:
             raise ValueError("recompute_weight must be at least 1")
         if not self.pending_recompute_weight >= 1:

@@ -269,6 +269,15 @@ def test_a_pause_in_the_traffic_fades_the_busy_shares(
     router.check_invariants()
 
 
+def test_prefill_drain_is_a_bounded_fraction_so_route_never_overflows() -> None:
+    assert with_options(RouterConfig(), ["prefill_drain=0"]).prefill_drain == 0.0
+    for bad in (-0.5, 101.0, 1e308):
+        with pytest.raises(ValueError, match="prefill_drain"):
+            RouterConfig(prefill_drain=bad)
+    with pytest.raises(ValueError, match="prefill_drain"):
+        with_options(RouterConfig(), ["prefill_drain=nan"])
+
+
 def test_balance_pause_is_off_or_at_least_one_usual_gap() -> None:
     assert with_options(RouterConfig(), ["balance_pause=0"]).balance_pause == 0.0
     assert with_options(RouterConfig(), ["balance-pause=2.5"]).balance_pause == 2.5
