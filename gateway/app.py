@@ -217,7 +217,16 @@ def _add_routes(app: FastAPI) -> None:
         state: GatewayState = request.app.state.gateway
         if denied := _not_admin(state, request, "The router's stats show every tenant's traffic"):
             return denied
-        return JSONResponse(state.router.stats())
+        stats = state.router.stats()
+        if state.sync is not None:  # Redis: reachable, rebuilds, reconnects, items skipped
+            sync = state.sync
+            stats["sync"] = {
+                "connected": sync.connected,
+                "resyncs": sync.resyncs,
+                "reconnects": sync.reconnects,
+                "malformed": sync.malformed,
+            }
+        return JSONResponse(stats)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:

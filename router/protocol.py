@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NamedTuple
 
 DEFAULT_BLOCK_SIZE = 16
@@ -176,9 +177,56 @@ class ReplicaInfo:
 
     @classmethod
     def decode(cls, raw: str | bytes) -> ReplicaInfo:
+        """A record as ``encode`` writes it. Fields this version does not know (a newer
+        replica's) are left out and missing load counts read 0 (an older one's); any
+        other departure raises ValueError, naming the field."""
+        data = _json_object(raw, "replica record")
+        load = data.get("load", {})
+        if not isinstance(load, dict):
+            raise ValueError(f"replica record: 'load' must be an object, got {load!r}")
+        timestamp = data.get("timestamp", 0.0)
+        if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
+            raise ValueError(f"replica record: 'timestamp' must be a number, got {timestamp!r}")
+        if not math.isfinite(timestamp):
+            raise ValueError(f"replica record: 'timestamp' must be finite, got {timestamp!r}")
+        block_size = _count(data, "block_size", "replica record")
+        if not block_size:
+            raise ValueError("replica record: 'block_size' must be positive")
+        return cls(
+            replica_id=_text(data, "replica_id", "replica record"),
+            url=_text(data, "url", "replica record"),
+            model=_text(data, "model", "replica record"),
+            block_size=block_size,
+            load=ReplicaLoad(
+                **{f.name: _count(load, f.name, "replica load", 0) for f in fields(ReplicaLoad)}
+            ),
+            timestamp=float(timestamp),
+        )
+
+
+def _json_object(raw: str | bytes, what: str) -> dict[str, object]:
+    try:
         data = json.loads(raw)
-        load = ReplicaLoad(**data.pop("load", {}))
-        return cls(load=load, **data)
+    except ValueError as exc:  # a JSONDecodeError, or a UnicodeDecodeError for bytes
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return data
+
+
+def _text(data: dict[str, object], name: str, what: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"{what}: {name!r} must be a string, got {value!r}")
+    return value
+
+
+def _count(data: dict[str, object], name: str, what: str, default: int | None = None) -> int:
+    """A non-negative integer field (``default``: its value when absent)."""
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: {name!r} must be a non-negative integer, got {value!r}")
+    return value
 
 
 # --------------------------------------------------------------------------- block events
@@ -221,20 +269,38 @@ class BlockEvent:
         return fields
 
     @classmethod
-    def decode(cls, fields: dict[bytes, bytes] | dict[str, str]) -> BlockEvent:
-        f = {as_text(k): as_text(v) for k, v in fields.items()}
-        event_type = f["type"]
+    def decode(cls, entry: dict[bytes, bytes] | dict[str, str]) -> BlockEvent:
+        """An event as ``encode`` writes it (Redis hands the fields back as bytes); any
+        departure raises ValueError. ``event_seq`` reads the seq alone."""
+        f = {as_text(k): as_text(v) for k, v in entry.items()}
+        event_type = f.get("type")
         if event_type not in ("stored", "removed", "cleared"):
             raise ValueError(f"unknown block event type {event_type!r}")
+        if "seq" not in f:
+            raise ValueError("block event without a seq")
         raw = bytes.fromhex(f.get("keys", ""))
         if len(raw) % SHORT_KEY_BYTES:
             raise ValueError("block event keys are not a whole number of 16-byte keys")
         keys = tuple(raw[i : i + SHORT_KEY_BYTES] for i in range(0, len(raw), SHORT_KEY_BYTES))
         parent = bytes.fromhex(f["parent"]) if f.get("parent") else None
+        if parent is not None and len(parent) != SHORT_KEY_BYTES:
+            raise ValueError("block event parent is not a 16-byte key")
         medium = f.get("medium", "device")
         if medium not in MEDIA:
             raise ValueError(f"unknown block event medium {medium!r}")
         return cls(seq=int(f["seq"]), type=event_type, keys=keys, parent=parent, medium=medium)  # type: ignore[arg-type]
+
+
+def event_seq(entry: dict[bytes, bytes] | dict[str, str]) -> int | None:
+    """The seq of a stream entry ``BlockEvent.decode`` could not read; None if it has
+    none readable either."""
+    for name, value in entry.items():
+        if name in ("seq", b"seq"):
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 def _check_short(keys: Iterable[bytes]) -> None:
@@ -328,8 +394,16 @@ class RoutedHint:
 
     @classmethod
     def decode(cls, raw: str | bytes) -> RoutedHint:
-        data = json.loads(raw)
-        blob = bytes.fromhex(data["k"])
+        """A hint as ``encode`` writes it; any departure raises ValueError."""
+        data = _json_object(raw, "routed hint")
+        blob = bytes.fromhex(_text(data, "k", "routed hint"))
+        if len(blob) % SHORT_KEY_BYTES:
+            raise ValueError("routed hint keys are not a whole number of 16-byte keys")
         keys = tuple(blob[i : i + SHORT_KEY_BYTES] for i in range(0, len(blob), SHORT_KEY_BYTES))
         seq = data.get("s")
-        return cls(data["g"], data["r"], keys, seq if isinstance(seq, int) else None)
+        return cls(
+            _text(data, "g", "routed hint"),
+            _text(data, "r", "routed hint"),
+            keys,
+            seq if isinstance(seq, int) and not isinstance(seq, bool) else None,
+        )

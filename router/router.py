@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from router.config import RouterConfig
 from router.cost import SPEED_AFTER, ReplicaSpeed, TtftFit
@@ -439,12 +439,9 @@ class Router:
         view = self._replicas.get(replica_id)
         if view is None:
             return True
-        if view.last_seq is not None:
-            if event.seq <= view.last_seq:
-                return True  # already folded in (e.g. via the snapshot)
-            if event.seq != view.last_seq + 1:
-                self._resyncs += 1
-                return False
+        place = self._place(view, event.seq)
+        if place != "next":
+            return place == "seen"
         if event.type == "stored":
             self.index.insert(replica_id, event.keys, medium=event.medium)
         elif event.type == "removed":
@@ -455,6 +452,29 @@ class Router:
         view.last_seq = event.seq
         view.publishes_events = True
         return True
+
+    def skip_event(self, replica_id: str, seq: int) -> bool:
+        """An event this gateway could not read (a newer replica's kind, say) takes its
+        place in the sequence and changes nothing: the view may lag the replica's cache
+        until its next resync, where a resync at every such event would never end (the
+        snapshot is older, and the stream still holds it). False on a sequence gap."""
+        view = self._replicas.get(replica_id)
+        if view is None:
+            return True
+        place = self._place(view, seq)
+        if place == "next":
+            view.last_seq = seq
+        return place != "gap"
+
+    def _place(self, view: ReplicaView, seq: int) -> Literal["next", "seen", "gap"]:
+        """Where event ``seq`` falls in the replica's sequence: the next one, one
+        already folded in (e.g. via the snapshot), or past a gap (counted)."""
+        if view.last_seq is None or seq == view.last_seq + 1:
+            return "next"
+        if seq <= view.last_seq:
+            return "seen"
+        self._resyncs += 1
+        return "gap"
 
     def apply_snapshot(self, replica_id: str, snapshot: Snapshot) -> None:
         """Replace the replica's view with its snapshot (as of event ``snapshot.seq``)."""

@@ -7,6 +7,14 @@ snapshot, then block on XREAD over every replica's event stream for up to
 ours. Redis is an accelerator: while it is down the router keeps routing on what it
 has, the outage is logged once, and the loop reconnects with jittered exponential backoff
 (router/backoff.py) and then resyncs every replica (events may have been lost meanwhile).
+
+Redis is shared by every replica and gateway, of whatever version: a registry record,
+snapshot, event or hint this gateway cannot read is skipped (counted in ``malformed``,
+logged once per replica and kind), never raised out of a loop, which would end it. An
+unreadable record reads as no record; an unreadable snapshot as none (the view is
+rebuilt from the stream); an unreadable event with a readable seq keeps its place in
+the sequence (``Router.skip_event``). An unexpected error in a loop is logged with its
+traceback and the loop goes on after a backoff.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from router.protocol import (
     RoutedHint,
     as_text,
     decode_snapshot,
+    event_seq,
     events_stream_key,
     replica_info_key,
     snapshot_key,
@@ -71,6 +80,8 @@ class RedisSync:
         self._keep_missing_until = 0.0  # after an outage: registry records may be gone
         self.resyncs = 0  # snapshot rebuilds done (start, gaps, outages)
         self.reconnects = 0
+        self.malformed = 0  # records, snapshots, events and hints skipped as unreadable
+        self._reported: set[tuple[str, str]] = set()  # (replica or "", kind) logged
         router.add_routed_hook(self._on_routed)
 
     # ----------------------------------------------------------------------- lifecycle
@@ -128,6 +139,11 @@ class RedisSync:
                     return
                 self._went_down(exc)
                 await backoff.wait()
+            except Exception:
+                # A bug here must not end the loop: the view would freeze for good.
+                log.exception("the registry and event loop failed; resyncing after a backoff")
+                self._need_resync.update(self._stream_ids)
+                await backoff.wait()
 
     def _went_down(self, exc: BaseException) -> None:
         if not self._down:
@@ -161,7 +177,12 @@ class RedisSync:
         for replica_id, raw in zip(ids, records, strict=True):
             if raw is None:
                 continue
-            info = ReplicaInfo.decode(raw)
+            try:
+                info = ReplicaInfo.decode(raw)
+            except ValueError as exc:
+                self._skip(replica_id, "registry record", exc)  # read as absent
+                continue
+            self._reported.discard((replica_id, "registry record"))
             alive.add(replica_id)
             self.router.add_replica(replica_id, info.url, info.model, info.block_size)
             self.router.update_load(replica_id, info.load, info.timestamp or None)
@@ -196,12 +217,23 @@ class RedisSync:
         pipe.get(snapshot_key(replica_id))
         pipe.xrange(events_stream_key(replica_id))
         raw, entries = await pipe.execute()
-        if raw is None:
-            self.router.reset_replica_view(replica_id)
-            self._without_snapshot.add(replica_id)
-        else:
-            self.router.apply_snapshot(replica_id, decode_snapshot(raw))
+        snapshot = None
+        if raw is not None:
+            try:
+                snapshot = decode_snapshot(raw)
+            except ValueError as exc:
+                self._skip(replica_id, "snapshot", exc)
+        if snapshot is not None:
+            self.router.apply_snapshot(replica_id, snapshot)
             self._without_snapshot.discard(replica_id)
+        else:
+            self.router.reset_replica_view(replica_id)
+            # None yet: resynced again once one appears. An unreadable one is not
+            # retried until the next gap or outage (every poll would read it again).
+            if raw is None:
+                self._without_snapshot.add(replica_id)
+            else:
+                self._without_snapshot.discard(replica_id)
         self._need_resync.discard(replica_id)
         self._stream_ids[replica_id] = "0-0"
         self._apply_entries(replica_id, entries)  # those the snapshot holds: skipped by seq
@@ -227,8 +259,24 @@ class RedisSync:
             self._stream_ids[replica_id] = as_text(entry_id)
             if replica_id in self._need_resync:
                 break
-            if not self.router.apply_event(replica_id, BlockEvent.decode(fields)):
+            try:
+                event = BlockEvent.decode(fields)
+            except ValueError as exc:
+                self._skip(replica_id, "block event", exc)
+                seq = event_seq(fields)
+                if seq is not None and not self.router.skip_event(replica_id, seq):
+                    self._need_resync.add(replica_id)
+                continue  # without a seq: the next event shows the gap, if there is one
+            if not self.router.apply_event(replica_id, event):
                 self._need_resync.add(replica_id)
+
+    def _skip(self, replica_id: str, kind: str, exc: ValueError) -> None:
+        """Count an unreadable item; log the first of each kind per replica."""
+        self.malformed += 1
+        if (replica_id, kind) not in self._reported:
+            self._reported.add((replica_id, kind))
+            where = f" from replica {replica_id}" if replica_id else ""
+            log.warning("skipping an unreadable %s%s (%s)", kind, where, exc)
 
     # ----------------------------------------------------------------------- hints
 
@@ -252,6 +300,9 @@ class RedisSync:
                     backoff.reset()
             except (RedisError, OSError):
                 await backoff.wait()
+            except Exception:
+                log.exception("the routed-hint loop failed; going on after a backoff")
+                await backoff.wait()
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
@@ -266,8 +317,8 @@ class RedisSync:
     def _apply_hint(self, raw: Any) -> None:
         try:
             hint = RoutedHint.decode(raw)
-        except (ValueError, KeyError):
-            log.warning("ignoring a malformed routed hint")
+        except ValueError as exc:
+            self._skip("", "routed hint", exc)
             return
         if hint.gateway_id != self.gateway_id:
             self.router.apply_hint(hint)

@@ -15,7 +15,15 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.auth import derived_salt
 from prefixgate.tokenizer import ChatTokenizer
-from router.protocol import BlockEvent, KeySpace, events_stream_key, short_key
+from router.protocol import (
+    REPLICAS_SET,
+    ROUTED_CHANNEL,
+    BlockEvent,
+    KeySpace,
+    events_stream_key,
+    replica_info_key,
+    short_key,
+)
 from tests.conftest import RedisServer, wait_until
 from tests.gateway.conftest import Server, start_gateway, start_replica, write_api_keys
 
@@ -235,3 +243,38 @@ def test_a_replica_killed_mid_run_fails_no_plain_request(cluster: Cluster) -> No
             victim.stop()
         out = c.completions.create(model=MODEL, prompt=f"survive {i}", max_tokens=2)
         assert out.choices
+
+
+def test_unreadable_redis_data_neither_stops_nor_blinds_a_gateway(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A registry record and a hint no gateway can read (another version's, a bug's)
+    are skipped: before, the record raised out of the gateway's start-up."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.sadd(REPLICAS_SET, "junk")
+    client.set(replica_info_key("junk"), b"\xff not a record")
+    gateway = start_gateway(tmp_path, "gw", [], "--redis-url", redis_server.url, ready=False)
+    replica = start_replica(
+        tmp_path, "replica", "--num-blocks", "256", "--redis-url", redis_server.url,
+        "--replica-id", "r0",
+    )  # fmt: skip
+    try:
+        client.publish(ROUTED_CHANNEL, b'{"g": 1}')
+        wait_until(
+            lambda: httpx.get(gateway.url + "/ready").status_code == 200,
+            what="the gateway finding r0 in the registry",
+        )
+        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        first, again = (
+            c.chat.completions.create(model=MODEL, messages=chat("still here"), max_tokens=1)
+            for _ in range(2)
+        )
+        assert first.choices and again.usage and again.usage.prompt_tokens_details
+        assert (again.usage.prompt_tokens_details.cached_tokens or 0) > 0
+        stats = httpx.get(gateway.url + "/router/stats").json()
+        assert list(stats["replicas"]) == ["r0"]
+        assert stats["sync"]["connected"] and stats["sync"]["malformed"] >= 2, stats["sync"]
+    finally:
+        replica.stop()
+        gateway.stop()
+        client.close()

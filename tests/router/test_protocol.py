@@ -10,7 +10,9 @@ against VECTORS. Byte layout, restated so the vectors can be recomputed by hand:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import struct
 
 import pytest
@@ -29,6 +31,7 @@ from router.protocol import (
     decode_snapshot,
     encode_snapshot,
     encode_tokens,
+    event_seq,
     root_key,
     short_key,
 )
@@ -230,6 +233,78 @@ def test_replica_info_round_trip() -> None:
     )
     assert ReplicaInfo.decode(info.encode()) == info
     assert ReplicaInfo.decode(info.encode().encode()) == info
+
+
+# Any JSON value: what a record, event field or hint of another version might hold.
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+RECORD = json.loads(ReplicaInfo("r0", "http://r0", "m", 16, ReplicaLoad(1), 2.0).encode())
+HINT = json.loads(RoutedHint("g", "r", (bytes(16),), 3).encode())
+
+
+@given(
+    field=st.sampled_from(["replica_id", "url", "model", "block_size", "load", "timestamp"]),
+    value=json_values,
+)
+def test_a_replica_record_decodes_or_raises_value_error(field: str, value: object) -> None:
+    """The gateway's sync skips what raises ValueError; anything else would end its
+    loop (router/sync.py)."""
+    record = {**RECORD, field: value}
+    try:
+        info = ReplicaInfo.decode(json.dumps(record))
+    except ValueError:
+        return
+    assert isinstance(info.url, str) and isinstance(info.model, str)
+    assert info.block_size > 0 and info.timestamp == info.timestamp  # not nan
+    assert all(type(v) is int and v >= 0 for v in (info.load.running, info.load.waiting))
+
+
+@given(field=st.sampled_from(["g", "r", "k", "s"]), value=json_values)
+def test_a_routed_hint_decodes_or_raises_value_error(field: str, value: object) -> None:
+    try:
+        hint = RoutedHint.decode(json.dumps({**HINT, field: value}))
+    except ValueError:
+        return
+    assert all(len(k) == 16 for k in hint.keys)
+    assert hint.seq is None or type(hint.seq) is int
+
+
+@given(raw=st.binary(max_size=40) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_any_bytes_decode_or_raise_value_error(raw: bytes) -> None:
+    for decode in (ReplicaInfo.decode, RoutedHint.decode, decode_snapshot):
+        with contextlib.suppress(ValueError):  # any other exception fails the test
+            decode(raw)
+
+
+@given(
+    entry=st.dictionaries(
+        st.sampled_from([b"seq", b"type", b"keys", b"parent", b"medium", b"zone"]),
+        st.binary(max_size=40) | st.sampled_from([b"1", b"stored", b"removed", b"00" * 16]),
+    )
+)
+def test_a_block_event_entry_decodes_or_raises_value_error(entry: dict[bytes, bytes]) -> None:
+    try:
+        event = BlockEvent.decode(entry)
+    except ValueError:
+        seq = event_seq(entry)  # what the sync keeps of it
+        assert seq is None or isinstance(seq, int)
+        return
+    assert all(len(k) == 16 for k in event.keys)
+    assert event.parent is None or len(event.parent) == 16
+
+
+def test_a_newer_replicas_record_and_an_older_ones_decode() -> None:
+    newer = {**RECORD, "zone": "eu-1", "load": {**RECORD["load"], "offloaded_blocks": 3}}
+    assert ReplicaInfo.decode(json.dumps(newer)) == ReplicaInfo.decode(json.dumps(RECORD))
+    older = {**RECORD, "load": {"running": 1}}  # before queued_prefill_tokens and the rest
+    assert ReplicaInfo.decode(json.dumps(older)).load == ReplicaLoad(1)
+    with pytest.raises(ValueError, match="'block_size' must be a non-negative integer"):
+        ReplicaInfo.decode(json.dumps({**RECORD, "block_size": "16"}))
+    with pytest.raises(ValueError, match="'timestamp' must be finite"):
+        ReplicaInfo.decode(json.dumps({**RECORD, "timestamp": float("inf")}))
 
 
 def test_encoders_refuse_full_keys() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -9,6 +10,7 @@ import redis.asyncio as aioredis
 
 from router.protocol import (
     REPLICAS_SET,
+    ROUTED_CHANNEL,
     BlockEvent,
     KeySpace,
     ReplicaInfo,
@@ -219,3 +221,56 @@ async def test_a_hint_routed_before_a_reset_is_dropped() -> None:
     # A hint without a seq (its sender had no events) is taken as before.
     assert RoutedHint.decode('{"g":"x","r":"r0","k":""}').seq is None
     router.check_invariants()
+
+
+async def test_malformed_redis_data_is_skipped_and_the_sync_goes_on(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    """Redis is shared by every replica and gateway, of any version: a record, event or
+    hint this gateway cannot read costs that item only. Before, one raised out of the
+    follow loop (or the hint loop) and ended it for good: no replica discovered or
+    expired, no event folded in, from then on."""
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    # Registry records: not JSON, not an object, a wrong type, a field missing.
+    bad: dict[str, str | bytes] = {
+        "junk": b"\xff not json",
+        "listed": b"[1, 2]",
+        "typed": ReplicaInfo("typed", "http://typed", "m", 16).encode().replace("16", '"16"'),
+        "partial": b'{"replica_id": "partial", "url": "http://partial"}',
+    }
+    for replica_id, raw in bad.items():
+        await client.sadd(REPLICAS_SET, replica_id)  # type: ignore[misc]
+        await client.set(replica_info_key(replica_id), raw)
+    # A newer replica's record: fields this gateway does not know are left out.
+    newer = json.loads(ReplicaInfo("newer", "http://newer", "m", 16, ReplicaLoad(2)).encode())
+    newer["zone"], newer["load"]["kv_offload_blocks"] = "eu-1", 7
+    await client.sadd(REPLICAS_SET, "newer")  # type: ignore[misc]
+    await client.set(replica_info_key("newer"), json.dumps(newer))
+    await register(client, "r0")
+    await client.set(snapshot_key("r0"), b"not a snapshot")  # the view comes from events
+    await publish(client, "r0", BlockEvent(1, "stored", tuple(CHAIN[:2])))
+    await client.xadd(events_stream_key("r0"), {"seq": "2", "type": "moved"})  # unknown
+    await client.xadd(events_stream_key("r0"), {"seq": "x", "type": "removed"})  # no seq: no place
+    await sync.start()
+    try:
+        assert set(router.replicas) == {"newer", "r0"}
+        assert router.replicas["newer"].reported == ReplicaLoad(2)
+        await wait_until_async(lambda: matched(router, "r0") == 2, what="event 1 folded in")
+        # The unknown event kept its place in r0's sequence: the next one is no gap.
+        await publish(client, "r0", BlockEvent(3, "stored", (CHAIN[2],), CHAIN[1]))
+        await wait_until_async(lambda: matched(router, "r0") == 3, what="event 3 folded in")
+        assert router.stats()["sequence_gaps"] == 0
+        # The loop goes on: a replica registered now is found, its events folded in.
+        await register(client, "r1")
+        await publish(client, "r1", BlockEvent(1, "stored", tuple(CHAIN)))
+        await wait_until_async(lambda: matched(router, "r1") == 4, what="r1 found, events read")
+        assert sync.malformed >= len(bad) + 2
+        # Hints: garbage on the channel is dropped, the next good one applies.
+        await client.publish(ROUTED_CHANNEL, b'[{"g": 1}]')
+        await client.publish(ROUTED_CHANNEL, b'{"g": "gw-b", "r": "r0", "k": 5}')
+        await client.publish(ROUTED_CHANNEL, RoutedHint("gw-b", "newer", tuple(CHAIN)).encode())
+        await wait_until_async(lambda: matched(router, "newer") == 4, what="the good hint applied")
+        router.check_invariants()
+    finally:
+        await sync.aclose()
