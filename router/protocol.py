@@ -12,11 +12,17 @@ replica verifies every hit against the stored token ids).
 
 Redis layout (one Redis per cluster, every name under the ``prefixgate:`` prefix):
 
-    prefixgate:replicas               SET of replica ids ever registered
+    prefixgate:replicas               SET of registered replica ids
     prefixgate:replica:{id}           STRING json ReplicaInfo, with an expiry (heartbeat)
     prefixgate:events:{id}            STREAM of block events, capped (XADD MAXLEN ~)
     prefixgate:snapshot:{id}          STRING, encode_snapshot(): the replica's cached blocks
     prefixgate:routed                 PUB/SUB channel of gateways' optimistic inserts
+
+A replica's stream and snapshot expire ``RETAIN_S`` after its last heartbeat, and a
+gateway takes an id out of the set once neither its record nor its snapshot is left: a
+replica gone for good (a pod replaced under a new name, a port that changed) leaves
+nothing behind, while one that restarts within the hour resumes where it was. A live
+replica adds itself to the set again at every heartbeat.
 
 Every event carries a per-replica sequence number that grows by one per event; a reader
 that sees a gap (or starts late) rebuilds that replica's view from the snapshot, whose
@@ -41,6 +47,9 @@ KEY_PREFIX = "prefixgate"
 
 REPLICAS_SET = f"{KEY_PREFIX}:replicas"
 ROUTED_CHANNEL = f"{KEY_PREFIX}:routed"
+# How long a replica's event stream and snapshot outlive its last heartbeat (each is up
+# to ~20 MB: 100,000 events, or a million blocks).
+RETAIN_S = 3600.0
 
 
 def replica_info_key(replica_id: str) -> str:

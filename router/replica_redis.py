@@ -6,8 +6,9 @@ same bytes and gateways need no engine-specific code.
 * ``write_snapshot``: the snapshot key; the first write of a life also drops the
   previous life's event stream.
 * ``write_events``: a batch of block events appended to the capped stream.
-* ``heartbeat``: the registry set and the expiring record, and whether a snapshot must be
-  written again (Redis restarted empty and redis-py reconnected without an error).
+* ``heartbeat``: the registry set and the expiring record, the stream's and snapshot's
+  expiry pushed back to ``RETAIN_S`` from now, and whether a snapshot must be written
+  again (Redis restarted empty and redis-py reconnected without an error).
 * ``deregister``: deletes the record, best effort (its expiry covers a failure).
 
 Each write raises one of ``REDIS_ERRORS`` when Redis fails; what to do then (drop the
@@ -30,6 +31,7 @@ from redis.exceptions import RedisError
 
 from router.protocol import (
     REPLICAS_SET,
+    RETAIN_S,
     BlockEvent,
     ReplicaInfo,
     SnapshotBlock,
@@ -92,9 +94,13 @@ class ReplicaRedis:
     async def heartbeat(self, info: ReplicaInfo, ttl_s: float) -> bool:
         """Register and refresh the record; True when a snapshot must be written again
         (none in Redis although this life wrote one: Redis restarted empty)."""
-        pipe = self._redis.pipeline(transaction=False)
+        # One transaction: a gateway never sees the id in the set without its record.
+        pipe = self._redis.pipeline(transaction=True)
         pipe.sadd(REPLICAS_SET, self.replica_id)
         pipe.set(replica_info_key(self.replica_id), info.encode(), px=int(ttl_s * 1000))
+        # A new snapshot (SET) clears its expiry, which the next heartbeat sets again.
+        for key in (snapshot_key(self.replica_id), events_stream_key(self.replica_id)):
+            pipe.pexpire(key, int(RETAIN_S * 1000))
         pipe.exists(snapshot_key(self.replica_id))
         *_, has_snapshot = await pipe.execute()
         return not has_snapshot and not self.first_write

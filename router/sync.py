@@ -174,6 +174,9 @@ class RedisSync:
         ids = sorted(as_text(raw) for raw in await client.smembers(REPLICAS_SET))  # type: ignore[misc]
         records = await client.mget([replica_info_key(i) for i in ids]) if ids else []
         alive = set()
+        missing = [i for i, raw in zip(ids, records, strict=True) if raw is None]
+        if missing:
+            await self._forget_gone(missing)
         for replica_id, raw in zip(ids, records, strict=True):
             if raw is None:
                 continue
@@ -203,6 +206,19 @@ class RedisSync:
                 self._discovered.discard(replica_id)
                 self.router.remove_replica(replica_id)
                 log.info("replica %s left (registry record expired)", replica_id)
+
+    async def _forget_gone(self, replica_ids: list[str]) -> None:
+        """Take out of the registry set the replicas with no record whose snapshot has
+        expired too (``RETAIN_S`` after their last heartbeat): gone for good, they
+        would otherwise be read at every poll forever. A live one adds itself again at
+        its next heartbeat."""
+        pipe = self._require_client().pipeline(transaction=False)
+        for replica_id in replica_ids:
+            pipe.exists(snapshot_key(replica_id))
+        gone = [r for r, kept in zip(replica_ids, await pipe.execute(), strict=True) if not kept]
+        if gone:
+            await self._require_client().srem(REPLICAS_SET, *gone)  # type: ignore[misc]
+            log.info("forgot %d replica ids that left nothing in Redis", len(gone))
 
     # ----------------------------------------------------------------------- events
 

@@ -18,6 +18,7 @@ import redis
 from replica.publisher import Publisher, PublisherConfig
 from router.protocol import (
     REPLICAS_SET,
+    RETAIN_S,
     BlockEvent,
     ReplicaInfo,
     ReplicaLoad,
@@ -111,6 +112,14 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
             return decode_snapshot(raw).seq if raw else -1  # type: ignore[arg-type]
 
         await wait_until_async(lambda: snapshot_seq() == 4)
+        # A replica gone for good leaves nothing: stream and snapshot expire an hour
+        # after its last heartbeat (a new snapshot drops the expiry; the next beat sets it).
+        retain_ms = int(RETAIN_S * 1000)
+        for key in (snapshot_key(RID), events_stream_key(RID)):
+            await wait_until_async(
+                lambda key=key: retain_ms - 5_000 < client.pttl(key) <= retain_ms,  # type: ignore[misc]
+                what=f"{key} expiring {RETAIN_S} s after the last heartbeat",
+            )
         snap = decode_snapshot(client.get(snapshot_key(RID)))  # type: ignore[arg-type]
         assert [(blk.parent, blk.key) for blk in snap.blocks] == [
             (None, short_key(a)),

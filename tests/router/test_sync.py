@@ -274,3 +274,26 @@ async def test_malformed_redis_data_is_skipped_and_the_sync_goes_on(
         router.check_invariants()
     finally:
         await sync.aclose()
+
+
+async def test_a_replica_id_that_left_nothing_behind_leaves_the_registry_set(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    """Without this the set only grows (a pod replaced under a new name, a port that
+    changed), and every gateway reads each id ever registered at every poll."""
+    await register(client, "r0")
+    await client.sadd(REPLICAS_SET, "gone", "resting")  # type: ignore[misc]
+    await client.set(snapshot_key("resting"), encode_snapshot(3, []))  # restarting, say
+    sync = RedisSync(Router(), redis_server.url, poll_interval_s=POLL)
+    await sync.start()
+    try:
+
+        async def gone_from_the_set() -> bool:
+            return b"gone" not in await client.smembers(REPLICAS_SET)  # type: ignore[misc]
+
+        await wait_until_async(gone_from_the_set, what="'gone' out of the set")  # type: ignore[arg-type]
+        assert await client.smembers(REPLICAS_SET) == {b"r0", b"resting"}  # type: ignore[misc]
+        await register(client, "gone")  # back: it registers itself again
+        await wait_until_async(lambda: "gone" in sync.router.replicas, what="'gone' found again")
+    finally:
+        await sync.aclose()
