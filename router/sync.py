@@ -36,6 +36,7 @@ from router.protocol import (
     BlockEvent,
     ReplicaInfo,
     RoutedHint,
+    Snapshot,
     as_text,
     decode_snapshot,
     event_seq,
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _BACKOFF_MAX_S = 5.0  # reconnect delays double from poll_interval_s up to this
 _READ_COUNT = 1000
+_RESYNC_PAGE = 1000  # stream entries read back per round trip in a resync
 _MAX_PENDING_HINTS = 10_000
 
 
@@ -225,20 +227,33 @@ class RedisSync:
     async def _resync(self, replica_id: str) -> None:
         """Rebuild the replica's view from its snapshot and the stream's events after it.
 
-        Both are read in one transaction and applied together, with no await between: a
-        snapshot is older than the stream, so applied alone it would stand for a moment
-        in place of newer events already folded in (after a prefix cache reset: the
-        cleared blocks back, ``last_seq`` behind the reset's seq)."""
-        pipe = self._require_client().pipeline(transaction=True)
+        The snapshot and the stream's newest events are read in one transaction, and
+        applied together with no await between: a snapshot is older than the stream, so
+        applied alone it would stand for a moment in place of newer events already
+        folded in (after a prefix cache reset: the cleared blocks back, ``last_seq``
+        behind the reset's seq). The stream is read back from its end only as far as
+        the snapshot's seq (older pages, which no writer changes, after the
+        transaction): a capped stream holds up to 100,000 events, whose parsing alone
+        takes seconds of the event loop, while a snapshot is at most a few seconds and
+        a few hundred events old."""
+        client = self._require_client()
+        stream = events_stream_key(replica_id)
+        pipe = client.pipeline(transaction=True)
         pipe.get(snapshot_key(replica_id))
-        pipe.xrange(events_stream_key(replica_id))
-        raw, entries = await pipe.execute()
+        pipe.xrevrange(stream, count=_RESYNC_PAGE)
+        raw, page = await pipe.execute()
         snapshot = None
         if raw is not None:
             try:
                 snapshot = decode_snapshot(raw)
             except ValueError as exc:
                 self._skip(replica_id, "snapshot", exc)
+        entries = list(page)  # newest first
+        while len(page) == _RESYNC_PAGE and not _at_or_before(page[-1], snapshot):
+            before = f"({as_text(page[-1][0])}"  # exclusive: the entries older than the page's
+            page = await client.xrevrange(stream, max=before, count=_RESYNC_PAGE) or []
+            entries += page
+        entries.reverse()
         if snapshot is not None:
             self.router.apply_snapshot(replica_id, snapshot)
             self._without_snapshot.discard(replica_id)
@@ -346,3 +361,12 @@ class RedisSync:
         if self._client is None:
             raise RuntimeError("RedisSync.start() was not called")
         return self._client
+
+
+def _at_or_before(entry: tuple[Any, Any], snapshot: Snapshot | None) -> bool:
+    """Whether a stream entry is one the snapshot already holds (by its seq; never
+    without a snapshot, or for an entry whose seq is unreadable)."""
+    if snapshot is None:
+        return False
+    seq = event_seq(entry[1])
+    return seq is not None and seq <= snapshot.seq

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -295,5 +296,49 @@ async def test_a_replica_id_that_left_nothing_behind_leaves_the_registry_set(
         assert await client.smembers(REPLICAS_SET) == {b"r0", b"resting"}  # type: ignore[misc]
         await register(client, "gone")  # back: it registers itself again
         await wait_until_async(lambda: "gone" in sync.router.replicas, what="'gone' found again")
+    finally:
+        await sync.aclose()
+
+
+async def test_a_resync_reads_the_stream_back_only_to_the_snapshot(
+    redis_server: RedisServer, client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capped stream holds up to 100,000 events (4 s of parsing on the gateway's event
+    loop, which then routes nothing); the events a resync needs are those after the
+    snapshot. Pages of 100 here: the snapshot is 250 events behind a 1,000-event stream."""
+    monkeypatch.setattr("router.sync._RESYNC_PAGE", 100)
+    keys = [bytes([i % 256, i // 256]) * 8 for i in range(1000)]
+    for seq, key in enumerate(keys, 1):
+        await publish(client, "r0", BlockEvent(seq, "stored", (key,)))
+    await client.set(snapshot_key("r0"), encode_snapshot(750, [SnapshotBlock(None, keys[0])]))
+    await register(client, "r0")
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    pages = 0
+    await sync.start()
+    try:
+        await wait_until_async(lambda: router.replicas["r0"].last_seq == 1000, what="caught up")
+        # The snapshot's block and the 250 events after it; none of the 749 before.
+        assert [router.index.holds("r0", k) for k in keys[:3]] == [True, False, False]
+        assert all(router.index.holds("r0", k) for k in keys[750:])
+        assert not any(router.index.holds("r0", k) for k in keys[1:750])
+
+        real = sync._require_client().xrevrange
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal pages
+            pages += 1
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(sync._require_client(), "xrevrange", counted)
+        await sync._resync("r0")
+        assert pages == 2  # pages 2 and 3 (the first is in the transaction): back to seq 701
+        assert router.replicas["r0"].last_seq == 1000 and router.stats()["sequence_gaps"] == 0
+        # Without a snapshot every event is needed: back to the stream's start.
+        await client.delete(snapshot_key("r0"))
+        pages = 0
+        await sync._resync("r0")
+        assert pages == 10 and all(router.index.holds("r0", k) for k in keys)  # 9, then none
+        router.check_invariants()
     finally:
         await sync.aclose()
