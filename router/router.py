@@ -455,9 +455,10 @@ class Router:
 
     def skip_event(self, replica_id: str, seq: int) -> bool:
         """An event this gateway could not read (a newer replica's kind, say) takes its
-        place in the sequence and changes nothing: the view may lag the replica's cache
-        until its next resync, where a resync at every such event would never end (the
-        snapshot is older, and the stream still holds it). False on a sequence gap."""
+        place in the sequence and changes nothing, so the view may lag the replica's
+        cache until its next resync. Treated as a gap instead, it would bring a resync
+        at every poll: the snapshot is older than the event, and the stream still holds
+        it. False on a sequence gap."""
         view = self._replicas.get(replica_id)
         if view is None:
             return True

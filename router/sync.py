@@ -173,7 +173,13 @@ class RedisSync:
 
     async def _discover(self) -> None:
         client = self._require_client()
-        ids = sorted(as_text(raw) for raw in await client.smembers(REPLICAS_SET))  # type: ignore[misc]
+        ids = []
+        for raw_id in await client.smembers(REPLICAS_SET):  # type: ignore[misc]
+            try:
+                ids.append(as_text(raw_id))
+            except UnicodeDecodeError as exc:  # no replica writes it; nothing to follow
+                self._skip("", "registry id", exc)
+        ids.sort()
         records = await client.mget([replica_info_key(i) for i in ids]) if ids else []
         alive = set()
         missing = [i for i, raw in zip(ids, records, strict=True) if raw is None]

@@ -243,6 +243,7 @@ async def test_malformed_redis_data_is_skipped_and_the_sync_goes_on(
     for replica_id, raw in bad.items():
         await client.sadd(REPLICAS_SET, replica_id)  # type: ignore[misc]
         await client.set(replica_info_key(replica_id), raw)
+    await client.sadd(REPLICAS_SET, b"\xff\xfe")  # type: ignore[misc]  # an id that is not text
     # A newer replica's record: fields this gateway does not know are left out.
     newer = json.loads(ReplicaInfo("newer", "http://newer", "m", 16, ReplicaLoad(2)).encode())
     newer["zone"], newer["load"]["kv_offload_blocks"] = "eu-1", 7
