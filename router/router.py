@@ -22,7 +22,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import groupby
+from operator import attrgetter, itemgetter
 from typing import Any, Literal, NamedTuple
 
 from router.config import RouterConfig
@@ -483,8 +484,11 @@ class Router:
         if view is None:
             return
         self.index.clear(replica_id)
-        for block in snapshot.blocks:
-            self.index.insert(replica_id, (block.key,), medium=block.medium)
+        # One insert per run of blocks in one tier (not one per block: a snapshot can
+        # hold a million), parents before children: inserted as a chain, parents end up
+        # the most recent, as the index keeps them (router/index.py).
+        for medium, run in groupby(snapshot.blocks, key=attrgetter("medium")):
+            self.index.insert(replica_id, [block.key for block in run], medium=medium)
         if view.cleared_seq is not None and snapshot.seq < view.cleared_seq:
             view.cleared_seq = None  # a restarted replica numbers its events from 1 again
         view.last_seq = snapshot.seq

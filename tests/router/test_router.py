@@ -286,3 +286,18 @@ def test_balance_pause_is_off_or_at_least_one_usual_gap() -> None:
             RouterConfig(balance_pause=bad)
     with pytest.raises(ValueError, match="balance_pause"):
         with_options(RouterConfig(), ["balance_pause=inf"])
+
+
+def test_a_snapshot_keeps_parents_newer_than_their_children() -> None:
+    """Cap eviction takes a replica's oldest blocks: after a rebuild from a snapshot
+    (parents first), those must be leaves, or the chain loses its head and every match
+    of it ends at the root. Built one block at a time, the root was the oldest."""
+    router = Router(RouterConfig(max_blocks_per_replica=4))
+    router.add_replica("r", "http://r", static=True)
+    a, b, c, d = (bytes([i]) * 16 for i in range(4))
+    blocks = [SnapshotBlock(None, a), SnapshotBlock(a, b), SnapshotBlock(b, c), SnapshotBlock(c, d)]
+    router.apply_snapshot("r", Snapshot(7, blocks))
+    assert router.index.match([a, b, c, d]) == {"r": 4}
+    router.apply_event("r", BlockEvent(8, "stored", (bytes([9]) * 16,)))  # one over the cap
+    assert router.index.match([a, b, c, d]) == {"r": 3}  # the leaf went, not the root
+    router.check_invariants()
