@@ -381,7 +381,9 @@ def decode_snapshot(raw: bytes) -> Snapshot:
 
 @dataclass(slots=True, frozen=True)
 class RoutedHint:
-    """A gateway's optimistic insert, shared with other gateways on ``ROUTED_CHANNEL``."""
+    """A gateway's optimistic insert, shared with other gateways on ``ROUTED_CHANNEL``:
+    the routed prompt's keys past what the replica was known to hold (a chain's tail;
+    the head, the receivers know from the replica's events)."""
 
     gateway_id: str
     replica_id: str

@@ -35,6 +35,8 @@ from router.policies import Candidate, RouteInput, make_policy
 from router.protocol import SHORT_KEY_BYTES, BlockEvent, ReplicaLoad, RoutedHint, Snapshot
 from router.ring import Ring
 
+# Called with each decision's replica and the prompt's keys past its matched depth: the
+# blocks it was not known to hold (the rest, other gateways know from its events).
 RoutedHook = Callable[[str, list[bytes]], None]
 _SHORT = itemgetter(slice(0, SHORT_KEY_BYTES))  # full block key -> short key
 
@@ -282,7 +284,7 @@ class Router:
             )
         self._decisions[choice.reason.split(" ", 1)[0]] += 1
         for hook in self._hooks:
-            hook(chosen.replica_id, short)
+            hook(chosen.replica_id, short[matched:])
         picked = next(c for c in candidates if c.replica_id == choice.replica_id)
         return Decision(
             choice.replica_id, choice.reason, matched, len(short), picked.uncached, picked.queued

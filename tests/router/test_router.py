@@ -69,6 +69,9 @@ def test_optimistic_insert_makes_a_burst_stick_and_hooks_see_it() -> None:
     assert second.replica_id == first.replica_id and second.matched_blocks == 2
     assert second.reason.startswith("prefix_match cost: ")
     assert seen[0] == (first.replica_id, [k[:16] for k in keys(7, 8)])
+    # Then only what the replica was not known to hold: other gateways get the rest
+    # from its events (a 128k-token agent prompt would otherwise be 8,192 keys a hint).
+    assert seen[1] == (first.replica_id, [k[:16] for k in keys(7, 8, 9)[2:]])
 
 
 @pytest.mark.parametrize("publishing", [True, False])
