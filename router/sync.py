@@ -13,8 +13,10 @@ snapshot, event or hint this gateway cannot read is skipped (counted in ``malfor
 logged once per replica and kind), never raised out of a loop, which would end it. An
 unreadable record reads as no record; an unreadable snapshot as none (the view is
 rebuilt from the stream); an unreadable event with a readable seq keeps its place in
-the sequence (``Router.skip_event``). An unexpected error in a loop is logged with its
-traceback and the loop goes on after a backoff.
+the sequence (``Router.skip_event``). A replica whose stream or snapshot key holds
+another type (WRONGTYPE, which fails the one XREAD over every stream) is not followed
+until it holds the right one; its view keeps what it had. An unexpected error in a loop
+is logged with its traceback and the loop goes on after a backoff.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections import deque
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from router.backoff import Backoff
 from router.protocol import (
@@ -84,6 +86,8 @@ class RedisSync:
         self.reconnects = 0
         self.malformed = 0  # records, snapshots, events and hints skipped as unreadable
         self._reported: set[tuple[str, str]] = set()  # (replica or "", kind) logged
+        self._wrong_type: set[str] = set()  # replicas whose keys hold another type
+        self._check_types = False
         router.add_routed_hook(self._on_routed)
 
     # ----------------------------------------------------------------------- lifecycle
@@ -94,7 +98,7 @@ class RedisSync:
         try:
             await self._refresh()
         except (RedisError, OSError) as exc:
-            self._went_down(exc)
+            self._failed(exc)
         self._tasks = [
             asyncio.create_task(self._follow_loop(), name="prefixgate-sync-events"),
             asyncio.create_task(self._hint_loop(), name="prefixgate-sync-hints"),
@@ -123,6 +127,9 @@ class RedisSync:
         backoff = self._backoff()
         while not self._closing:
             try:
+                if self._check_types:  # a WRONGTYPE reply: find whose key it was
+                    self._check_types = False
+                    await self._drop_wrong_types()
                 if self._down:
                     # A restarted Redis has lost the registry; replicas re-register on
                     # their next heartbeat. Until then a missing record does not mean a
@@ -139,13 +146,19 @@ class RedisSync:
             except (RedisError, OSError) as exc:
                 if self._closing:
                     return
-                self._went_down(exc)
+                self._failed(exc)
                 await backoff.wait()
             except Exception:
                 # A bug here must not end the loop: the view would freeze for good.
                 log.exception("the registry and event loop failed; resyncing after a backoff")
                 self._need_resync.update(self._stream_ids)
                 await backoff.wait()
+
+    def _failed(self, exc: RedisError | OSError) -> None:
+        if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
+            self._check_types = True  # Redis answered: one replica's data, not an outage
+        else:
+            self._went_down(exc)
 
     def _went_down(self, exc: BaseException) -> None:
         if not self._down:
@@ -185,6 +198,8 @@ class RedisSync:
         missing = [i for i, raw in zip(ids, records, strict=True) if raw is None]
         if missing:
             await self._forget_gone(missing)
+        if self._wrong_type:  # followed again once both keys hold what they should
+            self._wrong_type = await self._with_wrong_types(sorted(self._wrong_type))
         for replica_id, raw in zip(ids, records, strict=True):
             if raw is None:
                 continue
@@ -197,7 +212,7 @@ class RedisSync:
             alive.add(replica_id)
             self.router.add_replica(replica_id, info.url, info.model, info.block_size)
             self.router.update_load(replica_id, info.load, info.timestamp or None)
-            if replica_id not in self._stream_ids:
+            if replica_id not in self._stream_ids and replica_id not in self._wrong_type:
                 self._stream_ids[replica_id] = "0-0"
                 self._need_resync.add(replica_id)
             if not self.router.replicas[replica_id].static:
@@ -227,6 +242,32 @@ class RedisSync:
         if gone:
             await self._require_client().srem(REPLICAS_SET, *gone)  # type: ignore[misc]
             log.info("forgot %d replica ids that left nothing in Redis", len(gone))
+
+    async def _with_wrong_types(self, replica_ids: list[str]) -> set[str]:
+        """Those of ``replica_ids`` whose stream or snapshot key holds another type."""
+        pipe = self._require_client().pipeline(transaction=False)
+        for replica_id in replica_ids:
+            pipe.type(events_stream_key(replica_id))
+            pipe.type(snapshot_key(replica_id))
+        types = [as_text(t) for t in await pipe.execute()]
+        return {
+            replica_id
+            for replica_id, stream, snapshot in zip(
+                replica_ids, types[::2], types[1::2], strict=True
+            )
+            if stream not in ("stream", "none") or snapshot not in ("string", "none")
+        }
+
+    async def _drop_wrong_types(self) -> None:
+        """Stop following the replicas whose keys hold another type (a WRONGTYPE reply)."""
+        wrong = await self._with_wrong_types(sorted(self._stream_ids))
+        if not wrong:  # another key (the registry set?): retried after each backoff
+            self._skip("", "key of another type", ValueError("not a replica's stream or snapshot"))
+        for replica_id in wrong:
+            self._skip(replica_id, "stream or snapshot key", ValueError("another type"))
+            del self._stream_ids[replica_id]
+            self._need_resync.discard(replica_id)
+        self._wrong_type |= wrong
 
     # ----------------------------------------------------------------------- events
 

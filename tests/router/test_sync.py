@@ -343,3 +343,30 @@ async def test_a_resync_reads_the_stream_back_only_to_the_snapshot(
         router.check_invariants()
     finally:
         await sync.aclose()
+
+
+async def test_a_replica_key_of_another_type_stops_following_that_replica_only(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    """One XREAD reads every replica's stream, and a key holding another type fails it
+    whole (WRONGTYPE). Taken for an outage, the gateway would stop following every
+    replica and rebuild all of them after each backoff."""
+    await register(client, "r0")
+    await register(client, "r1")
+    await client.set(events_stream_key("r1"), b"not a stream")
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    await sync.start()
+    try:
+        await publish(client, "r0", BlockEvent(1, "stored", tuple(CHAIN[:2])))
+        await wait_until_async(lambda: matched(router, "r0") == 2, what="r0 followed")
+        assert sync.connected and sync.malformed >= 1 and sync.reconnects == 0
+        # Fixed (the replica's next life writes a stream): followed again.
+        await client.delete(events_stream_key("r1"))
+        await publish(client, "r1", BlockEvent(1, "stored", tuple(CHAIN)))
+        await wait_until_async(lambda: matched(router, "r1") == 4, what="r1 followed again")
+        await publish(client, "r0", BlockEvent(2, "stored", (CHAIN[2],), CHAIN[1]))
+        await wait_until_async(lambda: matched(router, "r0") == 3, what="r0 still followed")
+        router.check_invariants()
+    finally:
+        await sync.aclose()
