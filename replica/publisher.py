@@ -256,6 +256,8 @@ class Publisher:
                 self._mark_up()
             except REDIS_ERRORS as exc:
                 self._mark_down(exc)
+            except Exception:  # the engine's load callback, say: the record just expires
+                log.exception("heartbeat failed; trying again at the next one")
             now = time.monotonic()
             with self._lock:
                 behind = self._seq - self._seq_at_snapshot

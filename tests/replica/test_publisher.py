@@ -284,3 +284,28 @@ def test_start_without_redis_does_not_fail() -> None:
         await pub.stop()
 
     _run(scenario)
+
+
+def test_a_failing_load_callback_does_not_end_heartbeats(redis_server: RedisServer) -> None:
+    """Only Redis errors were caught: an exception from the engine's load callback ended
+    the heartbeat loop for the replica's life, and the replica, serving on, was dropped
+    by every gateway when its record expired."""
+    client = redis.Redis.from_url(redis_server.url)
+    failures = [RuntimeError("the engine's counters moved under us")] * 3
+
+    def load() -> ReplicaLoad:
+        if failures:
+            raise failures.pop()
+        return ReplicaLoad(running=1)
+
+    pub = Publisher(_config(redis_server.url))
+
+    async def scenario() -> None:
+        await pub.start(load)
+        await wait_until_async(lambda: client.exists(replica_info_key(RID)) == 1)
+        assert not failures  # three heartbeats failed, and the loop went on
+        info = ReplicaInfo.decode(client.get(replica_info_key(RID)))  # type: ignore[arg-type]
+        assert info.load == ReplicaLoad(running=1)
+        await pub.stop()
+
+    _run(scenario)
