@@ -10,10 +10,13 @@ Values of several label sets (data-parallel ranks, models) are summed; usages av
 Blocks are reported in prefixgate's blocks (``block_size`` tokens), as the built-in
 replica does, so the router compares like with like. Neither engine exports the prompt
 tokens queued for prefill; that stays 0 (the gateway counts its own in-flight tokens).
+Samples that are not finite are skipped (``int(inf)`` raised OverflowError, which ended
+the bridge's heartbeats), and counts below 0 read 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +36,8 @@ def parse_load(text: str, block_size: int) -> ReplicaLoad:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
+            if not math.isfinite(sample.value):
+                continue
             if name in RUNNING:
                 sums["running"] += sample.value
             elif name in WAITING:
@@ -46,12 +51,12 @@ def parse_load(text: str, block_size: int) -> ReplicaLoad:
                     capacity_tokens += int(blocks) * int(size)
             elif name == "sglang:max_total_num_tokens":
                 capacity_tokens += int(sample.value)
-    total = capacity_tokens // block_size
+    total = max(0, capacity_tokens) // block_size
     usage = min(1.0, max(0.0, sum(usages) / len(usages))) if usages else 0.0
     used = round(usage * total)
     return ReplicaLoad(
-        running=int(sums["running"]),
-        waiting=int(sums["waiting"]),
+        running=max(0, int(sums["running"])),
+        waiting=max(0, int(sums["waiting"])),
         free_blocks=total - used,
         used_blocks=used,
         total_blocks=total,

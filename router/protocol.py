@@ -50,6 +50,9 @@ ROUTED_CHANNEL = f"{KEY_PREFIX}:routed"
 # How long a replica's event stream and snapshot outlive its last heartbeat (each is up
 # to ~20 MB: 100,000 events, or a million blocks).
 RETAIN_S = 3600.0
+# Bounds on what a registry record may say (the router multiplies both into floats).
+MAX_BLOCK_SIZE = 65_536
+MAX_LOAD_COUNT = 2**40
 
 
 def replica_info_key(replica_id: str) -> str:
@@ -187,27 +190,29 @@ class ReplicaInfo:
     @classmethod
     def decode(cls, raw: str | bytes) -> ReplicaInfo:
         """A record as ``encode`` writes it. Fields this version does not know (a newer
-        replica's) are left out and missing load counts read 0 (an older one's); any
-        other departure raises ValueError, naming the field."""
+        replica's) are left out. The load is advice: a count that is missing (an older
+        replica's record), or not an integer from 0 to ``MAX_LOAD_COUNT``, reads 0,
+        where a huge one would overflow the router's float arithmetic on every decision.
+        Any other departure raises ValueError, naming the field."""
         data = _json_object(raw, "replica record")
         load = data.get("load", {})
         if not isinstance(load, dict):
-            raise ValueError(f"replica record: 'load' must be an object, got {load!r}")
+            load = {}
         timestamp = data.get("timestamp", 0.0)
         if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
             raise ValueError(f"replica record: 'timestamp' must be a number, got {timestamp!r}")
         if not math.isfinite(timestamp):
             raise ValueError(f"replica record: 'timestamp' must be finite, got {timestamp!r}")
         block_size = _count(data, "block_size", "replica record")
-        if not block_size:
-            raise ValueError("replica record: 'block_size' must be positive")
+        if not 0 < block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"replica record: 'block_size' must be 1 to {MAX_BLOCK_SIZE}")
         return cls(
             replica_id=_text(data, "replica_id", "replica record"),
             url=_text(data, "url", "replica record"),
             model=_text(data, "model", "replica record"),
             block_size=block_size,
             load=ReplicaLoad(
-                **{f.name: _count(load, f.name, "replica load", 0) for f in fields(ReplicaLoad)}
+                **{f.name: _load_count(load.get(f.name)) for f in fields(ReplicaLoad)}
             ),
             timestamp=float(timestamp),
         )
@@ -230,12 +235,18 @@ def _text(data: dict[str, object], name: str, what: str) -> str:
     return value
 
 
-def _count(data: dict[str, object], name: str, what: str, default: int | None = None) -> int:
-    """A non-negative integer field (``default``: its value when absent)."""
-    value = data.get(name, default)
+def _count(data: dict[str, object], name: str, what: str) -> int:
+    """A non-negative integer field."""
+    value = data.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what}: {name!r} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _load_count(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOAD_COUNT:
+        return value
+    return 0
 
 
 # --------------------------------------------------------------------------- block events

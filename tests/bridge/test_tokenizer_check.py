@@ -10,6 +10,7 @@ import pytest
 from bridge import tokenizer_check
 from bridge.engine_load import parse_load
 from prefixgate.tokenizer import ChatTokenizer
+from router.protocol import ReplicaLoad
 from tests.bridge.fake_engine import VLLM_METRICS, FakeEngineHTTP
 
 
@@ -77,6 +78,15 @@ def test_load_from_vllm_and_sglang_metrics() -> None:
         25,
     )
     assert parse_load("", 16).total_blocks == 0
+    # An engine's odd values cost the load figures, never the heartbeat loop.
+    odd = parse_load(
+        "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs +Inf\n"
+        "# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs -3\n"
+        "# TYPE sglang:token_usage gauge\nsglang:token_usage NaN\n"
+        "# TYPE sglang:max_total_num_tokens gauge\nsglang:max_total_num_tokens +Inf\n",
+        16,
+    )
+    assert odd == ReplicaLoad()
 
 
 @pytest.mark.anyio

@@ -11,8 +11,10 @@ against VECTORS. Byte layout, restated so the vectors can be recomputed by hand:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import math
 import struct
 
 import pytest
@@ -20,6 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.protocol import (
+    MAX_BLOCK_SIZE,
+    MAX_LOAD_COUNT,
     BlockEvent,
     KeySpace,
     ReplicaInfo,
@@ -258,8 +262,9 @@ def test_a_replica_record_decodes_or_raises_value_error(field: str, value: objec
     except ValueError:
         return
     assert isinstance(info.url, str) and isinstance(info.model, str)
-    assert info.block_size > 0 and info.timestamp == info.timestamp  # not nan
-    assert all(type(v) is int and v >= 0 for v in (info.load.running, info.load.waiting))
+    assert 0 < info.block_size <= MAX_BLOCK_SIZE and math.isfinite(info.timestamp)
+    counts = [getattr(info.load, f.name) for f in dataclasses.fields(ReplicaLoad)]
+    assert all(type(v) is int and 0 <= v <= MAX_LOAD_COUNT for v in counts)
 
 
 @given(field=st.sampled_from(["g", "r", "k", "s"]), value=json_values)
@@ -301,6 +306,15 @@ def test_a_newer_replicas_record_and_an_older_ones_decode() -> None:
     assert ReplicaInfo.decode(json.dumps(newer)) == ReplicaInfo.decode(json.dumps(RECORD))
     older = {**RECORD, "load": {"running": 1}}  # before queued_prefill_tokens and the rest
     assert ReplicaInfo.decode(json.dumps(older)).load == ReplicaLoad(1)
+    # The load is advice: a count out of range reads 0, and the replica stays routable.
+    # (10**400 queued tokens made every routing decision raise OverflowError.)
+    odd = {"running": -5, "waiting": "2", "queued_prefill_tokens": 10**400, "free_blocks": 3}
+    assert ReplicaInfo.decode(json.dumps({**RECORD, "load": odd})).load == ReplicaLoad(
+        free_blocks=3
+    )
+    assert ReplicaInfo.decode(json.dumps({**RECORD, "load": [1]})).load == ReplicaLoad()
+    with pytest.raises(ValueError, match="'block_size' must be 1 to 65536"):
+        ReplicaInfo.decode(json.dumps({**RECORD, "block_size": 10**400}))
     with pytest.raises(ValueError, match="'block_size' must be a non-negative integer"):
         ReplicaInfo.decode(json.dumps({**RECORD, "block_size": "16"}))
     with pytest.raises(ValueError, match="'timestamp' must be finite"):
