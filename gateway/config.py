@@ -7,7 +7,7 @@ from pathlib import Path
 
 from router.config import RouterConfig
 from router.policies import POLICIES
-from router.protocol import DEFAULT_BLOCK_SIZE
+from router.protocol import DEFAULT_BLOCK_SIZE, http_url
 
 
 @dataclass(slots=True)
@@ -60,4 +60,4 @@ class GatewayConfig:
             raise ValueError("key_memo_bytes must not be negative")
         if self.pool_timeout_s <= 0:
             raise ValueError("pool_timeout_s must be positive")
-        self.replicas = [url.rstrip("/") for url in self.replicas]
+        self.replicas = [http_url(url, "replica URL").rstrip("/") for url in self.replicas]

@@ -29,7 +29,7 @@ def static_replica_id(url: str) -> str:
 async def probe_once(client: httpx.AsyncClient, url: str, timeout: float) -> bool:
     try:
         response = await client.get(url + "/health", timeout=timeout)
-    except httpx.HTTPError:
+    except (httpx.HTTPError, httpx.InvalidURL):  # InvalidURL is no HTTPError: it ended rounds
         return False
     return response.status_code == 200
 

@@ -39,6 +39,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NamedTuple
+from urllib.parse import urlsplit
 
 DEFAULT_BLOCK_SIZE = 16
 KEY_BYTES = 32
@@ -208,7 +209,7 @@ class ReplicaInfo:
             raise ValueError(f"replica record: 'block_size' must be 1 to {MAX_BLOCK_SIZE}")
         return cls(
             replica_id=_text(data, "replica_id", "replica record"),
-            url=_text(data, "url", "replica record"),
+            url=http_url(_text(data, "url", "replica record"), "replica record: 'url'"),
             model=_text(data, "model", "replica record"),
             block_size=block_size,
             load=ReplicaLoad(
@@ -241,6 +242,20 @@ def _count(data: dict[str, object], name: str, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{what}: {name!r} must be a non-negative integer, got {value!r}")
     return value
+
+
+def http_url(url: str, what: str) -> str:
+    """``url`` if it is an http(s) address with a host and a valid port (``what``: how
+    the error names it): a gateway's HTTP client raises on anything else, not as a
+    connection error (``http://[::1``, say), in every probe and request sent there."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsed for its ValueError
+    except ValueError as exc:
+        raise ValueError(f"{what} {url!r} is not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what} {url!r} is not an http(s) address with a host")
+    return url
 
 
 def _load_count(value: object) -> int:

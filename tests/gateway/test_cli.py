@@ -52,3 +52,12 @@ def test_the_key_memo_size_reaches_the_config_and_bad_ones_are_refused(
     for bad in ("-1", "inf", "nan"):
         with pytest.raises(ValueError, match="--key-memo-mb"):
             config_from_args(build_parser().parse_args(["--key-memo-mb", bad]))
+
+
+def test_a_replica_url_the_http_client_cannot_use_is_refused_at_start() -> None:
+    """Accepted, it failed every request and probe sent there with a ValueError."""
+    ok = config_from_args(build_parser().parse_args(["--replica", "http://127.0.0.1:8001/"]))
+    assert ok.replicas == ["http://127.0.0.1:8001"]
+    for bad in ("http://[::1", "127.0.0.1:8001", "http://host:99999"):
+        with pytest.raises(ValueError, match="replica URL"):
+            config_from_args(build_parser().parse_args(["--replica", bad]))

@@ -313,6 +313,9 @@ def test_a_newer_replicas_record_and_an_older_ones_decode() -> None:
         free_blocks=3
     )
     assert ReplicaInfo.decode(json.dumps({**RECORD, "load": [1]})).load == ReplicaLoad()
+    for url in ("http://[::1", "not a url", "ftp://x", "http://x:99999", "http:///v1"):
+        with pytest.raises(ValueError, match="'url'"):
+            ReplicaInfo.decode(json.dumps({**RECORD, "url": url}))
     with pytest.raises(ValueError, match="'block_size' must be 1 to 65536"):
         ReplicaInfo.decode(json.dumps({**RECORD, "block_size": 10**400}))
     with pytest.raises(ValueError, match="'block_size' must be a non-negative integer"):

@@ -239,6 +239,7 @@ async def test_malformed_redis_data_is_skipped_and_the_sync_goes_on(
         "listed": b"[1, 2]",
         "typed": ReplicaInfo("typed", "http://typed", "m", 16).encode().replace("16", '"16"'),
         "partial": b'{"replica_id": "partial", "url": "http://partial"}',
+        "unbracketed": ReplicaInfo("unbracketed", "http://[::1", "m", 16).encode(),
     }
     for replica_id, raw in bad.items():
         await client.sadd(REPLICAS_SET, replica_id)  # type: ignore[misc]
