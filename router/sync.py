@@ -219,11 +219,12 @@ class RedisSync:
                 self._discovered.add(replica_id)
         if self.router.clock() < self._keep_missing_until:
             return
-        for replica_id in list(self._stream_ids):
+        for replica_id in [*self._stream_ids, *self._wrong_type]:
             if replica_id in alive:
                 continue
             # Its heartbeat expired: stop following; a discovered replica leaves entirely.
-            del self._stream_ids[replica_id]
+            self._stream_ids.pop(replica_id, None)
+            self._wrong_type.discard(replica_id)
             self._need_resync.discard(replica_id)
             if replica_id in self._discovered:
                 self._discovered.discard(replica_id)

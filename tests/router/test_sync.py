@@ -368,6 +368,15 @@ async def test_a_replica_key_of_another_type_stops_following_that_replica_only(
         await wait_until_async(lambda: matched(router, "r1") == 4, what="r1 followed again")
         await publish(client, "r0", BlockEvent(2, "stored", (CHAIN[2],), CHAIN[1]))
         await wait_until_async(lambda: matched(router, "r0") == 3, what="r0 still followed")
+        # One that is not followed still leaves when its heartbeat stops.
+        await register(client, "r2")
+        await client.set(snapshot_key("r2"), b"a string, as a snapshot is")
+        await client.hset(events_stream_key("r2"), "not", "a stream")  # type: ignore[misc]
+        await wait_until_async(lambda: "r2" in router.replicas, what="r2 found")
+        await wait_until_async(lambda: "r2" in sync._wrong_type, what="r2 not followed")
+        await client.pexpire(replica_info_key("r2"), 50)
+        await wait_until_async(lambda: "r2" not in router.replicas, what="r2 gone")
+        assert "r2" not in sync._wrong_type
         router.check_invariants()
     finally:
         await sync.aclose()
