@@ -63,6 +63,7 @@ def replay(
     blocks: int,
     concurrency: int,
     profile: SimProfile,
+    whole_answers: bool = False,
 ) -> Row:
     """One workload under one policy and router setting."""
     config = with_options(RouterConfig(), [] if option == "default" else [option])
@@ -79,6 +80,7 @@ def replay(
         concurrency=concurrency,
         prompts=workload.prompts,
         conversation_keys=workload.conversation_keys,
+        whole_answers=whole_answers,
     )
     return Row(workload.name, seed, policy, option, result)
 
@@ -95,6 +97,11 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     parser.add_argument("--fraction", type=float, default=1 / 3, help="cache / working set")
     parser.add_argument("--profile", default="llama3.1-8b-a100")
     parser.add_argument("--slowdown", type=float, default=10.0)
+    parser.add_argument(
+        "--whole-answers",
+        action="store_true",
+        help="clients that do not stream: the router sees each request's end, no first output",
+    )
     args = parser.parse_args(argv)
 
     profile = load_profile(args.profile)
@@ -121,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
                         blocks=blocks,
                         concurrency=args.concurrency or max(8, args.replicas),
                         profile=profile,
+                        whole_answers=args.whole_answers,
                     )
                     print(row.line(), flush=True)
                     rows.append(row)

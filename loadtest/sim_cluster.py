@@ -50,8 +50,11 @@ class SimCluster:
         host_blocks_per_replica: int = 0,
         replica_ids: Sequence[str] | None = None,
         shared_cache: bool = False,
+        whole_answers: bool = False,
     ) -> None:
-        """``replica_ids``: the replicas' names (default ``replica-<i>``). The router's
+        """``whole_answers``: clients that do not stream; the router hears of no first
+        output, only of each request's end (as the gateway does for a whole answer).
+        ``replica_ids``: the replicas' names (default ``replica-<i>``). The router's
         conversation ring hashes them, so a run that must place conversations as a live
         cluster does uses the live replicas' ids. ``shared_cache``: one cache of N×
         ``blocks_per_replica`` that every replica reads and fills, each its own compute
@@ -61,6 +64,7 @@ class SimCluster:
             raise ValueError(f"{len(replica_ids)} replica ids for {n_replicas} replicas")
         self.now = 0.0
         self.conversation_keys = conversation_keys
+        self.whole_answers = whole_answers
         self.cost, self.think_s = cost, think_s
         self.router = Router(config, policy, clock=lambda: self.now, seed=seed)
         self.root = root_key(MODEL_ID, BLOCK_SIZE)
@@ -140,7 +144,8 @@ class SimCluster:
             elif kind == "prefill_done":
                 self._prefill_done(payload)
             elif kind == "first_token":
-                self.router.first_byte(payload)
+                if not self.whole_answers:
+                    self.router.first_byte(payload)
             elif kind == "decode_done":
                 self._decode_done(payload[0])
             if self.now - self.last_sweep >= 1.0:

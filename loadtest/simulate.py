@@ -103,6 +103,7 @@ def simulate(
     host_blocks_per_replica: int = 0,
     replica_ids: Sequence[str] | None = None,
     shared_cache: bool = False,
+    whole_answers: bool = False,
 ) -> SimResult:
     """Run ``sessions`` through ``n_replicas`` replicas routed by ``policy``; open loop
     (each session at its arrival time), or closed loop with ``concurrency`` sessions at a
@@ -112,7 +113,8 @@ def simulate(
     a host KV tier of that many blocks per replica (0: none). ``replica_ids``: the
     replicas' names, which place conversations on the router's ring (default
     ``replica-<i>``). ``shared_cache``: the replicas share one cache of N× the blocks
-    (``SimCluster``), a reference for what partitioning the cache costs."""
+    (``SimCluster``), a reference for what partitioning the cache costs.
+    ``whole_answers``: clients that do not stream (the router sees no first output)."""
     sim = SimCluster(
         sessions,
         policy,
@@ -129,6 +131,7 @@ def simulate(
         host_blocks_per_replica=host_blocks_per_replica,
         replica_ids=replica_ids,
         shared_cache=shared_cache,
+        whole_answers=whole_answers,
     )
     sim.run()
     ttfts = sorted(sim.ttfts)

@@ -8,6 +8,7 @@ import pytest
 
 from loadtest import skewed_docs
 from loadtest.sim_client import WordTokenizer
+from loadtest.sim_cluster import SimCluster
 from loadtest.sim_cost import CostModel
 from loadtest.sim_replica import SimReplica, SimRequest
 from loadtest.simulate import run_comparison, simulate, working_set_blocks
@@ -269,3 +270,27 @@ def test_a_shared_cache_gives_every_replica_every_block() -> None:
     assert shared.n_replicas == 4 and min(shared.requests_per_replica) > 0
     assert shared.hit_rate >= 0.98 * oracle.hit_rate
     assert shared.hit_rate > results["cache_aware"].hit_rate > results["round_robin"].hit_rate
+
+
+@pytest.mark.parametrize("whole_answers", [False, True])
+def test_whole_answers_teach_the_router_nothing_of_prefill_cost(whole_answers: bool) -> None:
+    """Clients that do not stream: the router hears of each request's end only (its
+    tokens leave the queue then), so its time-to-first-token fit learns nothing, and
+    it predicts with the configured cost per token."""
+    sim = SimCluster(
+        small_chat(),
+        "cache_aware",
+        3,
+        200,
+        CostModel(),
+        scale=1.0,
+        think_s=1.0,
+        seed=0,
+        config=None,
+        whole_answers=whole_answers,
+    )
+    sim.run()
+    samples = sim.router.cluster_cost.samples
+    assert (samples == 0) if whole_answers else (samples > 10)
+    assert all(v.in_flight == 0 and v.load.queued_tokens == 0 for v in sim.router.replicas.values())
+    sim.router.check_invariants()
