@@ -15,7 +15,9 @@ class RouterConfig:
     # --- cache_aware (router/policies.py, CacheAware) ------------------------------
     prefill_s_per_token: float = 0.00015
     """Prefill seconds per uncached token assumed before the router has timed any
-    replica (then fitted per replica to its first bytes, router/cost.py)."""
+    replica (then fitted per replica to its first bytes, router/cost.py). Only streamed
+    answers are timed: behind clients that do not stream it is never fitted, so set it
+    to the GPU's (docs/BENCHMARKS.md, "Whole answers")."""
     prefill_drain: float = 1.0
     """How fast the prompt a replica is prefilling is taken to progress, as a fraction
     of what the replica's fit predicts (``fixed + cost × tokens`` from when it reached
