@@ -100,6 +100,13 @@ class RedisWriter:
     def _enqueue(self, event: BlockEvent, engine_ts: float | None) -> None:
         self.seq = event.seq
         self.pending.append(Pending(event, engine_ts))
+        if len(self.pending) > self.config.stream_maxlen:
+            # Redis has been down a while (``flush`` owes a snapshot first and writes
+            # nothing): keep no more than the capped stream could hold, or the queue grows
+            # for as long as the outage lasts. Readers see the gap and resync.
+            self.pending.popleft()
+            self.stats.events_dropped += 1
+            self.need_snapshot = True
 
     @property
     def has_work(self) -> bool:

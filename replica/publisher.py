@@ -137,6 +137,13 @@ class Publisher:
 
     def _enqueue(self, event: BlockEvent) -> None:
         self._pending.append(event)
+        if len(self._pending) > self.config.stream_maxlen:
+            # Redis has been down a while (nothing is written before the snapshot it
+            # owes): keep no more than the capped stream could hold, or the queue grows
+            # for as long as the outage lasts. Readers see the gap and resync.
+            self._pending.popleft()
+            self.stats.events_dropped += 1
+            self._need_snapshot = True
         if len(self._pending) == 1 and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
                 self._loop.call_soon_threadsafe(self._wake.set)
