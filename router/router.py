@@ -487,10 +487,15 @@ class Router:
             return
         self.index.clear(replica_id)
         # One insert per run of blocks in one tier (not one per block: a snapshot can
-        # hold a million), parents before children: inserted as a chain, parents end up
-        # the most recent, as the index keeps them (router/index.py).
-        for medium, run in groupby(snapshot.blocks, key=attrgetter("medium")):
-            self.index.insert(replica_id, [block.key for block in run], medium=medium)
+        # hold a million). The blocks come parents first; an insert makes its first key
+        # the newest, so runs go in last first and parents end up newer than their
+        # children across tiers too, as the index keeps them (router/index.py).
+        runs = [
+            (medium, [block.key for block in run])
+            for medium, run in groupby(snapshot.blocks, key=attrgetter("medium"))
+        ]
+        for medium, keys in reversed(runs):
+            self.index.insert(replica_id, keys, medium=medium)
         if view.cleared_seq is not None and snapshot.seq < view.cleared_seq:
             view.cleared_seq = None  # a restarted replica numbers its events from 1 again
         view.last_seq = snapshot.seq

@@ -6,7 +6,15 @@ import pytest
 
 from router.config import RouterConfig, with_options
 from router.policies import CacheAware
-from router.protocol import BlockEvent, KeySpace, ReplicaLoad, RoutedHint, Snapshot, SnapshotBlock
+from router.protocol import (
+    BlockEvent,
+    KeySpace,
+    Medium,
+    ReplicaLoad,
+    RoutedHint,
+    Snapshot,
+    SnapshotBlock,
+)
 from router.router import NoHealthyReplica, Router
 
 SPACE = KeySpace("m")
@@ -303,4 +311,11 @@ def test_a_snapshot_keeps_parents_newer_than_their_children() -> None:
     assert router.index.match([a, b, c, d]) == {"r": 4}
     router.apply_event("r", BlockEvent(8, "stored", (bytes([9]) * 16,)))  # one over the cap
     assert router.index.match([a, b, c, d]) == {"r": 3}  # the leaf went, not the root
+    # Across tiers too: a chain whose middle was demoted to the host comes in three runs.
+    tiers: list[Medium] = ["device", "host", "host", "device"]
+    tiered = [SnapshotBlock(blk.parent, blk.key, m) for blk, m in zip(blocks, tiers, strict=True)]
+    router.apply_snapshot("r", Snapshot(9, tiered))
+    assert router.index.host_blocks("r", [a, b, c, d]) == 2
+    router.apply_event("r", BlockEvent(10, "stored", (bytes([9]) * 16,)))
+    assert router.index.match([a, b, c, d]) == {"r": 3}
     router.check_invariants()
