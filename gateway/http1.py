@@ -240,25 +240,22 @@ class Connection(asyncio.Protocol):
 
 class Response:
     """A final answer whose head has arrived; the body is read through it. ``close``
-    hands the connection back to ``release`` (its pool), once."""
+    hands the connection back to ``release`` (its pool), once.
 
-    __slots__ = ("_conn", "_release", "_released")
+    The head (``status``, ``raw_headers``) is the response's own, copied when it is
+    made: once closed, its connection may already carry another request's answer."""
+
+    __slots__ = ("_conn", "_release", "_released", "raw_headers", "status")
 
     def __init__(self, conn: Connection, release: Callable[[Connection], None]) -> None:
         self._conn = conn
         self._release = release
         self._released = False
-
-    @property
-    def status(self) -> int:
-        return self._conn.status
-
-    @property
-    def raw_headers(self) -> Sequence[tuple[bytes, bytes]]:
-        return self._conn.headers
+        self.status: int = conn.status
+        self.raw_headers: Sequence[tuple[bytes, bytes]] = tuple(conn.headers)
 
     def content_type(self) -> str:
-        for name, value in self._conn.headers:
+        for name, value in self.raw_headers:
             if name.lower() == b"content-type":
                 return value.decode("latin-1")
         return ""

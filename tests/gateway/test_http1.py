@@ -51,6 +51,34 @@ def test_content_length_answers_reuse_one_connection() -> None:
     run(main())
 
 
+def test_a_closed_response_keeps_its_head_while_its_connection_serves_another() -> None:
+    """Read after close (the gateway awaits between, e.g. a Responses hook recording
+    the id), a response's status and headers are its own, not those of the next answer
+    its pooled connection carries (that read 0 before it arrived: a 500 in uvicorn)."""
+
+    async def by_body(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+        w.write(
+            answer(200 if request.body == b"a" else 400, b"{}", f"text/{request.body.decode()}")
+        )
+
+    async def main() -> None:
+        replica = await Replica(by_body).start()
+        up = client(per_replica=1)
+        first = await up.post(replica.url + PATH, b"a", {})
+        assert await first.read() == b"{}"
+        await first.close()
+        second = await up.post(replica.url + PATH, b"b", {})  # the same connection
+        assert replica.connections == 1
+        assert (first.status, first.content_type()) == (200, "text/a")
+        assert (second.status, second.content_type()) == (400, "text/b")
+        await second.read()
+        await second.close()
+        await up.aclose()
+        replica.close()
+
+    run(main())
+
+
 def test_a_chunked_stream_arrives_in_pieces() -> None:
     release = asyncio.Event()
 
