@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -131,3 +132,22 @@ def test_a_known_chain_on_a_gone_replica_is_still_a_404(
     r.set("prefixgate:response:resp_garbled", "r0\nchain\ndefault", ex=60)  # not a record
     with pytest.raises(openai.NotFoundError, match="not found"):
         one.responses.create(model=MODEL, previous_response_id="resp_garbled", input="hi")
+
+
+def test_concurrent_whole_answers_each_keep_their_own_status(
+    cluster: TwoGateways, module_redis: RedisServer
+) -> None:
+    """Non-streamed responses at once: each one's id is recorded in Redis (an await)
+    before it is sent, while its pooled connection already carries the next answer;
+    each client still gets its own 200 (the next answer's head read 0 here: a crash)."""
+    one, _ = cluster.clients()
+
+    def ask(i: int) -> str:
+        return one.responses.create(
+            model=MODEL, input=f"n{i} {time.time()}", max_output_tokens=2
+        ).id
+
+    with ThreadPoolExecutor(16) as pool:
+        ids = list(pool.map(ask, range(96)))
+    assert len(set(ids)) == 96
+    assert all(record(module_redis.url, i)["conversation"] == i for i in ids)
