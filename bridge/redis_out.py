@@ -120,8 +120,8 @@ class RedisWriter:
     # ------------------------------------------------------------------ writes
 
     async def flush(self) -> None:
-        """Write the snapshot if one is due, then every pending event; raises a Redis
-        error (after marking a snapshot due) when Redis fails.
+        """Write the snapshot if one is due, then every pending event; raises what
+        failed (a Redis error, or a bug) after marking a snapshot due.
 
         Events the snapshot already holds are still written: a reader that saw no gap
         applies them directly (it would not look at the snapshot), and one that resynced
@@ -133,6 +133,9 @@ class RedisWriter:
                 await self._write_events()
         except REDIS_ERRORS as exc:
             self._mark_down(exc)
+            raise
+        except Exception:
+            self.need_snapshot = True  # whatever went wrong, the snapshot repairs it
             raise
         self._outage.mark_up()
 
@@ -150,7 +153,7 @@ class RedisWriter:
         extra = [{} if ts is None else {"engine_ts": repr(ts)} for _event, ts in batch]
         try:
             await self._redis.write_events([event for event, _ts in batch], extra)
-        except REDIS_ERRORS:
+        except Exception:
             self.stats.events_dropped += len(batch)  # readers see the gap; the snapshot repairs
             raise
         self.stats.events_published += len(batch)

@@ -179,6 +179,9 @@ class Bridge:
                     backoff.reset()
                 except REDIS_ERRORS:
                     await backoff.wait()
+                except Exception:  # a bug must not end the loop: the cache would go unpublished
+                    log.exception("writing to Redis failed; a snapshot follows after a backoff")
+                    await backoff.wait()
 
     async def _heartbeat_loop(self) -> None:
         assert self.writer is not None

@@ -216,6 +216,13 @@ class Publisher:
                 except REDIS_ERRORS as exc:
                     self._mark_down(exc)
                     await backoff.wait()
+                except Exception:
+                    # A bug here must not end the loop: the replica would serve on, its
+                    # heartbeat alive, while every gateway kept a view it no longer updates.
+                    log.exception("writing to Redis failed; a snapshot follows after a backoff")
+                    with self._lock:
+                        self._need_snapshot = True
+                    await backoff.wait()
 
     def _has_work(self) -> bool:
         with self._lock:
@@ -234,7 +241,7 @@ class Publisher:
             batch = [self._pending.popleft() for _ in range(n)]
         try:
             await self._redis.write_events(batch)
-        except REDIS_ERRORS:
+        except Exception:
             # Lost: readers will see the gap; the next snapshot covers these events.
             with self._lock:
                 self.stats.events_dropped += len(batch)

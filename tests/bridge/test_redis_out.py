@@ -1,8 +1,24 @@
-"""The bridge's Redis writer while Redis is away (no server needed: nothing is sent)."""
+"""The bridge's Redis writer: while Redis is away (no server needed: nothing is sent),
+and when a write fails with something else (a real redis-server)."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import pytest
+import redis
+
 from bridge.redis_out import RedisWriter, WriterConfig
+from router.protocol import (
+    BlockEvent,
+    SnapshotBlock,
+    decode_snapshot,
+    events_stream_key,
+    snapshot_key,
+)
+from router.replica_redis import ReplicaRedis
+from tests.conftest import RedisServer
 
 
 def test_a_long_outage_queues_no_more_events_than_the_stream_holds() -> None:
@@ -17,3 +33,41 @@ def test_a_long_outage_queues_no_more_events_than_the_stream_holds() -> None:
     assert len(writer.pending) == 50 and writer.stats.events_dropped == 150
     assert [p.event.seq for p in writer.pending] == list(range(first + 150, first + 200))
     assert writer.need_snapshot
+
+
+def test_an_unexpected_write_error_owes_a_snapshot(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails with anything but a Redis error (a bug) still loses its batch:
+    the writer owes a snapshot, and the next flush writes it, then what came after."""
+    write_events = ReplicaRedis.write_events
+    failures = [TypeError("an encoder bug")]
+
+    async def failing_once(self: ReplicaRedis, *args: Any, **kwargs: Any) -> None:
+        if failures:
+            raise failures.pop()
+        await write_events(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaRedis, "write_events", failing_once)
+    config = WriterConfig(redis_server.url, "r0", "http://r0", "m", 16)
+    held: list[SnapshotBlock] = []
+    writer = RedisWriter(config, snapshot=lambda: list(held))
+    client = redis.Redis.from_url(redis_server.url)
+
+    async def scenario() -> None:
+        await writer.flush()  # the first snapshot
+        a = bytes(16)
+        writer.stored(None, (a,))
+        held.append(SnapshotBlock(None, a))
+        with pytest.raises(TypeError):
+            await writer.flush()
+        assert writer.need_snapshot and writer.stats.events_dropped == 1
+        writer.stored(a, (bytes([1]) * 16,))
+        await writer.flush()
+        snap = decode_snapshot(client.get(snapshot_key("r0")))  # type: ignore[arg-type]
+        assert (snap.seq, [b.key for b in snap.blocks]) == (writer.seq, [a])
+        entries: Any = client.xrange(events_stream_key("r0"))
+        assert [BlockEvent.decode(f).seq for _id, f in entries] == [writer.seq]
+        await writer.aclose()
+
+    asyncio.run(scenario())

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import redis
@@ -28,6 +29,7 @@ from router.protocol import (
     short_key,
     snapshot_key,
 )
+from router.replica_redis import ReplicaRedis
 from tests.conftest import RedisServer, wait_until_async
 
 RID = "r-test"
@@ -328,6 +330,41 @@ def test_a_long_outage_queues_no_more_events_than_the_stream_holds() -> None:
         _in_thread(engine_thread)
         assert len(pub._pending) == 50 and pub.stats.events_dropped >= 150
         assert [e.seq for e in pub._pending] == list(range(151, 201))  # the newest
+        await pub.stop()
+
+    _run(scenario)
+
+
+def test_an_unexpected_write_error_does_not_end_publishing(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only Redis errors were caught: any other exception from a write ended the write
+    loop, and the replica served on, its heartbeat alive, while gateways kept a view it
+    no longer updated. Now the batch counts as lost, a snapshot follows, and later
+    events reach the stream."""
+    client = redis.Redis.from_url(redis_server.url)
+    pub = Publisher(_config(redis_server.url, snapshot_interval_s=60.0))
+    write_events = ReplicaRedis.write_events
+    failures = [TypeError("an encoder bug")]
+
+    async def failing_once(self: ReplicaRedis, *args: Any, **kwargs: Any) -> None:
+        if failures:
+            raise failures.pop()
+        await write_events(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaRedis, "write_events", failing_once)
+    a, b = _key(0), _key(1)
+
+    async def scenario() -> None:
+        await pub.start(ReplicaLoad)
+        await wait_until_async(lambda: client.exists(snapshot_key(RID)) == 1)
+        _in_thread(lambda: pub.on_stored(None, [a]))  # its write fails
+        await wait_until_async(lambda: not failures and pub.stats.snapshots_written == 2)
+        _in_thread(lambda: pub.on_stored(a, [b]))
+        await wait_until_async(lambda: [e.seq for e in _events(client)] == [2])
+        snap = decode_snapshot(client.get(snapshot_key(RID)))  # type: ignore[arg-type]
+        assert (snap.seq, [blk.key for blk in snap.blocks]) == (1, [short_key(a)])
+        assert pub.stats.events_dropped == 1
         await pub.stop()
 
     _run(scenario)
