@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.protocol import BlockEvent, Medium, ReplicaInfo, ReplicaLoad, SnapshotBlock
-from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis
+from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis, new_life_seq
 
 log = logging.getLogger("prefixgate.bridge.redis")
 
@@ -66,7 +66,7 @@ class RedisWriter:
     def __init__(self, config: WriterConfig, snapshot: Callable[[], list[SnapshotBlock]]) -> None:
         self.config = config
         self._snapshot = snapshot  # the translator's mirror, parents before children
-        self.seq = int(time.time() * 1_000_000)
+        self.seq = new_life_seq()  # above any earlier life's under this id
         self.seq_at_snapshot = self.seq
         self.pending: deque[Pending] = deque()
         self.need_snapshot = True

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from router.backoff import Backoff
 from router.protocol import BlockEvent, Medium, ReplicaInfo, ReplicaLoad, SnapshotBlock, short_key
-from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis
+from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis, new_life_seq
 
 log = logging.getLogger("prefixgate.replica.publisher")
 
@@ -72,12 +72,12 @@ class Publisher:
         self._load: Callable[[], ReplicaLoad] = ReplicaLoad  # until start() gets the engine's
         self._lock = threading.Lock()
         # Guarded by _lock: the event counter, the key mirror, the queue to Redis.
-        self._seq = 0
+        self._seq = new_life_seq()  # above any earlier life's under this id
         self._mirror: dict[bytes, bytes | None] = {}  # short key → short parent
         self._on_host: set[bytes] = set()  # mirrored keys on the host tier
         self._pending: deque[BlockEvent] = deque()
         self._need_snapshot = True
-        self._seq_at_snapshot = 0
+        self._seq_at_snapshot = self._seq
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,7 +91,7 @@ class Publisher:
             down_note="serving goes on, retrying with backoff",
             up_note="; re-publishing a fresh snapshot",
         )
-        self.stats = PublisherStats()
+        self.stats = PublisherStats(seq=self._seq)
 
     # ------------------------------------------------------------- engine thread (listener)
 

@@ -11,6 +11,8 @@ same bytes and gateways need no engine-specific code.
   again (Redis restarted empty and redis-py reconnected without an error).
 * ``deregister``: deletes the record, best effort (its expiry covers a failure).
 
+``new_life_seq`` is where both number a life's events from.
+
 Each write raises one of ``REDIS_ERRORS`` when Redis fails; what to do then (drop the
 events, mark a snapshot due, back off) is the caller's: the two callers keep their
 events differently. ``Outage`` logs an outage once at its start and once at its end.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +45,16 @@ from router.protocol import (
 )
 
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+def new_life_seq() -> int:
+    """The seq a replica's first event of this life follows: microseconds since the
+    epoch. An earlier life under the same id (a crashed replica back before its record
+    expired) ended below it unless it wrote more than one event per microsecond, so a
+    gateway that followed that life sees a gap and resyncs from this life's snapshot;
+    numbered from 1 again, the new events read as old ones and were skipped, and the
+    dead life's blocks stayed in the gateway's view."""
+    return time.time_ns() // 1000
 
 
 class ReplicaRedis:

@@ -497,7 +497,7 @@ class Router:
         for medium, keys in reversed(runs):
             self.index.insert(replica_id, keys, medium=medium)
         if view.cleared_seq is not None and snapshot.seq < view.cleared_seq:
-            view.cleared_seq = None  # a restarted replica numbers its events from 1 again
+            view.cleared_seq = None  # an older replica, restarted, numbered its events from 1 again
         view.last_seq = snapshot.seq
         view.publishes_events = True
 

@@ -30,6 +30,8 @@ from router.protocol import (
     snapshot_key,
 )
 from router.replica_redis import ReplicaRedis
+from router.router import Router
+from router.sync import RedisSync
 from tests.conftest import RedisServer, wait_until_async
 
 RID = "r-test"
@@ -77,6 +79,7 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
     client = redis.Redis.from_url(redis_server.url)
     load = ReplicaLoad(running=2, waiting=1, free_blocks=10, used_blocks=6, total_blocks=16)
     pub = Publisher(_config(redis_server.url))
+    s = pub.stats.seq  # this life's events are numbered from s + 1
     a, b, c, d = (_key(i) for i in range(4))
 
     async def scenario() -> None:
@@ -102,18 +105,18 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
         _in_thread(engine_thread)
         await wait_until_async(lambda: len(_events(client)) == 4)
         events = _events(client)
-        assert [e.seq for e in events] == [1, 2, 3, 4]
-        assert events[0] == BlockEvent(1, "stored", (short_key(a), short_key(b)), None)
-        assert events[1] == BlockEvent(2, "stored", (short_key(c),), short_key(b))
-        assert events[2] == BlockEvent(3, "removed", (short_key(c),))
-        assert events[3] == BlockEvent(4, "stored", (short_key(d),), short_key(a))
+        assert [e.seq for e in events] == [s + 1, s + 2, s + 3, s + 4]
+        assert events[0] == BlockEvent(s + 1, "stored", (short_key(a), short_key(b)), None)
+        assert events[1] == BlockEvent(s + 2, "stored", (short_key(c),), short_key(b))
+        assert events[2] == BlockEvent(s + 3, "removed", (short_key(c),))
+        assert events[3] == BlockEvent(s + 4, "stored", (short_key(d),), short_key(a))
 
         # The periodic snapshot catches up with seq 4 and holds exactly a, b, d.
         def snapshot_seq() -> int:
             raw = client.get(snapshot_key(RID))
             return decode_snapshot(raw).seq if raw else -1  # type: ignore[arg-type]
 
-        await wait_until_async(lambda: snapshot_seq() == 4)
+        await wait_until_async(lambda: snapshot_seq() == s + 4)
         # A replica gone for good leaves nothing: stream and snapshot expire an hour
         # after its last heartbeat (a new snapshot drops the expiry; the next beat sets it).
         retain_ms = int(RETAIN_S * 1000)
@@ -130,7 +133,7 @@ def test_registry_events_and_snapshot(redis_server: RedisServer) -> None:
         ]
         _in_thread(pub.on_cleared)
         await wait_until_async(lambda: len(_events(client)) == 5)
-        assert _events(client)[-1] == BlockEvent(5, "cleared")
+        assert _events(client)[-1] == BlockEvent(s + 5, "cleared")
         await pub.stop()
         # Deregistered at once on a clean stop; the set keeps the id.
         assert client.exists(replica_info_key(RID)) == 0
@@ -144,8 +147,9 @@ def test_events_a_snapshot_holds_still_reach_the_stream(redis_server: RedisServe
     before a quiet spell (here a reset's ``cleared``) never reach it."""
     client = redis.Redis.from_url(redis_server.url)
     pub = Publisher(_config(redis_server.url, snapshot_interval_s=60.0))
+    s = pub.stats.seq
     a, b = _key(0), _key(1)
-    # Queued before the first write, which is a snapshot (seq 3, nothing cached).
+    # Queued before the first write, which is a snapshot (seq s + 3, nothing cached).
     _in_thread(lambda: pub.on_stored(None, [a, b]))
     _in_thread(lambda: pub.on_removed([b]))
     _in_thread(pub.on_cleared)
@@ -154,8 +158,8 @@ def test_events_a_snapshot_holds_still_reach_the_stream(redis_server: RedisServe
         await pub.start(ReplicaLoad)
         await wait_until_async(lambda: len(_events(client)) == 3, what="the queued events")
         snap = decode_snapshot(client.get(snapshot_key(RID)))  # type: ignore[arg-type]
-        assert (snap.seq, snap.blocks) == (3, [])
-        assert [(e.seq, e.type) for e in _events(client)] == [
+        assert (snap.seq, snap.blocks) == (s + 3, [])
+        assert [(e.seq - s, e.type) for e in _events(client)] == [
             (1, "stored"),
             (2, "removed"),
             (3, "cleared"),
@@ -167,12 +171,13 @@ def test_events_a_snapshot_holds_still_reach_the_stream(redis_server: RedisServe
 
 def test_snapshot_orders_parents_first_after_a_parent_is_restored() -> None:
     pub = Publisher(_config("redis://127.0.0.1:1/0"))
+    s = pub.stats.seq
     a, b, c = _key(1), _key(2), _key(3)
     pub.on_stored(None, [a, b, c])
     pub.on_removed([a])
     pub.on_stored(None, [a])  # a re-enters after its children in insertion order
     seq, blocks = pub.snapshot()
-    assert seq == 3
+    assert seq == s + 3
     order = [blk.key for blk in blocks]
     assert order.index(short_key(a)) < order.index(short_key(b)) < order.index(short_key(c))
     assert {blk.key: blk.parent for blk in blocks} == {
@@ -319,6 +324,7 @@ def test_a_long_outage_queues_no_more_events_than_the_stream_holds() -> None:
     at 100 events a second, 175 MB an hour). It keeps what the capped stream could
     hold; the gap it leaves is what the snapshot written on Redis's return repairs."""
     pub = Publisher(_config("redis://127.0.0.1:1/0", stream_maxlen=50))
+    s = pub.stats.seq
 
     async def scenario() -> None:
         await pub.start(ReplicaLoad)
@@ -329,7 +335,7 @@ def test_a_long_outage_queues_no_more_events_than_the_stream_holds() -> None:
 
         _in_thread(engine_thread)
         assert len(pub._pending) == 50 and pub.stats.events_dropped >= 150
-        assert [e.seq for e in pub._pending] == list(range(151, 201))  # the newest
+        assert [e.seq - s for e in pub._pending] == list(range(151, 201))  # the newest
         await pub.stop()
 
     _run(scenario)
@@ -344,6 +350,7 @@ def test_an_unexpected_write_error_does_not_end_publishing(
     events reach the stream."""
     client = redis.Redis.from_url(redis_server.url)
     pub = Publisher(_config(redis_server.url, snapshot_interval_s=60.0))
+    s = pub.stats.seq
     write_events = ReplicaRedis.write_events
     failures = [TypeError("an encoder bug")]
 
@@ -361,10 +368,51 @@ def test_an_unexpected_write_error_does_not_end_publishing(
         _in_thread(lambda: pub.on_stored(None, [a]))  # its write fails
         await wait_until_async(lambda: not failures and pub.stats.snapshots_written == 2)
         _in_thread(lambda: pub.on_stored(a, [b]))
-        await wait_until_async(lambda: [e.seq for e in _events(client)] == [2])
+        await wait_until_async(lambda: [e.seq for e in _events(client)] == [s + 2])
         snap = decode_snapshot(client.get(snapshot_key(RID)))  # type: ignore[arg-type]
-        assert (snap.seq, [blk.key for blk in snap.blocks]) == (1, [short_key(a)])
+        assert (snap.seq, [blk.key for blk in snap.blocks]) == (s + 1, [short_key(a)])
         assert pub.stats.events_dropped == 1
         await pub.stop()
 
     _run(scenario)
+
+
+def test_gateways_follow_a_replica_that_restarts_under_the_same_id(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that crashes and is back before its record expires (5 s; a pod's
+    container restarted in place keeps its address, the id) numbered its new life's
+    events from 1 again: a gateway that had folded in the last life's took them for old
+    ones and skipped them all, keeping the dead life's blocks for good. A new life's
+    numbers are above the last one's, so gateways see a gap and resync from its
+    snapshot."""
+    monkeypatch.setattr(ReplicaRedis, "deregister", _no_deregister)  # a crash: no goodbye
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=0.05)
+    old, new = [_key(i) for i in range(3)], [_key(10)]
+
+    def held(keys: list[bytes]) -> int:
+        return router.index.match([short_key(k) for k in keys]).get(RID, 0)
+
+    async def scenario() -> None:
+        await sync.start()
+        first = Publisher(_config(redis_server.url))
+        await first.start(ReplicaLoad)
+        _in_thread(lambda: first.on_stored(None, old))
+        _in_thread(lambda: first.on_stored(old[-1], [_key(3)]))
+        await wait_until_async(lambda: held(old) == 3, what="the first life's blocks")
+        await first.stop()
+        second = Publisher(_config(redis_server.url))  # the same id, an empty cache
+        await second.start(ReplicaLoad)
+        _in_thread(lambda: second.on_stored(None, new))
+        await wait_until_async(
+            lambda: held(new) == 1 and held(old) == 0, what="the new life's blocks only"
+        )
+        await second.stop()
+        await sync.aclose()
+
+    _run(scenario)
+
+
+async def _no_deregister(self: ReplicaRedis) -> None:
+    return None
