@@ -48,10 +48,16 @@ class ReplicaCollector(Collector):
 
 class GatewayMetrics:
     """The gateway's metrics. The per-request calls (``exchange``, ``decision``) keep the
-    labelled children they touched, since ``labels()`` costs a lock and a validation."""
+    labelled children they touched, since ``labels()`` costs a lock and a validation.
+
+    A replica's series go at the first scrape after it left the router (its record
+    expired, say): replicas come and go under their addresses (pods rescheduled), and
+    kept, their series would pile up for the gateway's life."""
 
     __slots__ = (
+        "_by_replica",
         "_children",
+        "_replicas",
         "cached_tokens",
         "decisions",
         "e2e",
@@ -117,14 +123,30 @@ class GatewayMetrics:
         )
         if replicas is not None:
             r.register(ReplicaCollector(replicas))
+        self._replicas = replicas
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._by_replica: dict[str, list[tuple[Any, ...]]] = {}  # its children's keys
 
-    def _child(self, metric: Any, *labels: str) -> Any:
+    def _child(self, metric: Any, *labels: str, replica: str | None = None) -> Any:
+        """The child for ``labels``; ``replica``: the replica among them, if any."""
         key = (metric, *labels)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*labels)
+            if replica is not None:
+                self._by_replica.setdefault(replica, []).append(key)
         return child
+
+    def _forget_gone(self) -> None:
+        """Drop the series of replicas the router no longer knows."""
+        if self._replicas is None:
+            return
+        known = self._replicas()
+        for replica in [r for r in self._by_replica if r not in known]:
+            for key in self._by_replica.pop(replica):
+                metric, *labels = key
+                del self._children[key]
+                metric.remove(*labels)
 
     def exchange(
         self,
@@ -137,21 +159,22 @@ class GatewayMetrics:
         cached_tokens: int | None,
     ) -> None:
         """One finished request: its count, latencies and cache accounting."""
-        self._child(self.requests, endpoint, str(status), replica or "none").inc()
+        self._child(self.requests, endpoint, str(status), replica or "none", replica=replica).inc()
         self._child(self.e2e, endpoint).observe(seconds)
         if ttfb_s is not None:
             self._child(self.ttft, endpoint).observe(ttfb_s)
         if replica is not None and status < 400:
-            self._child(self.predicted_tokens, replica).inc(predicted_tokens)
+            self._child(self.predicted_tokens, replica, replica=replica).inc(predicted_tokens)
             if cached_tokens is not None:
-                self._child(self.cached_tokens, replica).inc(cached_tokens)
+                self._child(self.cached_tokens, replica, replica=replica).inc(cached_tokens)
 
     def decision(self, reason: str) -> None:
         """A routing decision; the reason's first word is the label ("prefix_match")."""
         self._child(self.decisions, reason.split(" ", 1)[0]).inc()
 
     def upstream_failure(self, replica: str, kind: str) -> None:
-        self.upstream_failures.labels(replica, kind).inc()
+        self._child(self.upstream_failures, replica, kind, replica=replica).inc()
 
     def render(self) -> bytes:
+        self._forget_gone()
         return generate_latest(self.registry)
