@@ -1,6 +1,6 @@
 """Chaos and soak: what clients see when parts of a local cluster fail under load.
 
-    .venv/bin/python benchmarks/chaos.py [--scenario kill|stop|redis|gateway|soak|fuzz ...]
+    .venv/bin/python benchmarks/chaos.py [--scenario kill|restart|stop|redis|gateway|soak|fuzz ...]
         [--replicas 3] [--clients 16] [--soak-requests 10000] [--stop-s 20]
         [--redis-down-s 60] [--soak-max-s 1800] [--fuzz-examples 20000]
         [--out runs/chaos/chaos.json]
@@ -13,6 +13,11 @@ the scenario's own checks, each a fact with its number, and whether the scenario
 
 * ``kill``: SIGKILL the busiest replica. Every non-streaming request must succeed (retried
   elsewhere); a stream cut midway must end with an error event and ``[DONE]``.
+* ``restart``: SIGKILL the busiest replica and start it again at once under the same id
+  (a pod's container restarted in place). As ``kill``, and afterwards the gateway's view
+  of it holds no block it does not (the dead life's blocks are gone) and it serves again.
+  Whether its record expired in between (5 s) depends on the model's start-up:
+  ``--model sim`` is back well within it.
 * ``stop``: SIGSTOP the busiest replica for ``--stop-s`` (hung, not dead), then SIGCONT. No
   request may wait much longer than the gateway's upstream timeout; the breaker opens,
   traffic moves, and the replica serves again after SIGCONT.
@@ -51,7 +56,7 @@ from loadtest.chaos_requests import honest, mixed  # noqa: E402
 from loadtest.chaos_row import HEADER, Row  # noqa: E402
 from prefixgate.procs import http_ok  # noqa: E402
 
-SCENARIOS = ("kill", "stop", "redis", "gateway", "soak", "fuzz")
+SCENARIOS = ("kill", "restart", "stop", "redis", "gateway", "soak", "fuzz")
 
 
 async def _launch(cfg: argparse.Namespace, name: str) -> ChaosCluster:
@@ -99,12 +104,42 @@ async def kill(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
     return row
 
 
+async def restart(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
+    stop = asyncio.Event()
+    load = _load(cfg, cluster, stop)
+    await asyncio.sleep(cfg.warm_s)
+    victim = await asyncio.to_thread(cluster.busiest_replica)
+    rid = cluster.replica_id(victim)
+    killed_at = time.perf_counter()
+    cluster.signal_replica(victim, signal.SIGKILL)
+    await asyncio.to_thread(cluster.start_replica, victim)  # the same port: the same id
+    back_at = time.perf_counter()
+    await asyncio.sleep(cfg.after_s)
+    stop.set()
+    tally = await load
+    row = Row.of(f"SIGKILL 1 of {cfg.replicas} replicas, started again under its id", tally)
+    row.checks.append(f"down {back_at - killed_at:.1f} s (its record lives 5 s)")
+    after = tally.since_start(back_at)
+    served = sum(o.kind == "ok" and o.replica == rid and o.start_s > after for o in tally.outcomes)
+    row.check(served > 0, f"served by it after the restart: {served}")
+    stale = await asyncio.to_thread(cluster.stale_blocks)
+    row.check(all(n == 0 for n in stale.values()), f"gateway blocks beyond replica's: {stale}")
+    _check_failures_are_cut_streams(row, tally)
+    row.check(row.hung == 0, f"hung: {row.hung}")
+    return row
+
+
+# How a stream cut by a fault ends when the gateway ends it well (chat and completions;
+# the Responses API, whose streams have no ``[DONE]``).
+CLEAN_CUTS = ("stream: error event then [DONE]", "responses stream: error event")
+
+
 def _check_failures_are_cut_streams(row: Row, tally: Tally) -> None:
     """Non-streaming requests are retried before their first byte, so none may fail; a
     stream already under way can only be ended, with an error event and ``[DONE]``."""
     plain_failed = [o for o in tally.outcomes if o.kind == "failed" and not o.stream]
     cut = [o for o in tally.outcomes if o.kind == "failed" and o.stream]
-    clean = [o for o in cut if o.saw == "stream: error event then [DONE]"]
+    clean = [o for o in cut if o.saw in CLEAN_CUTS]
     row.check(not plain_failed, f"non-streaming failed: {len(plain_failed)}")
     row.check(len(clean) == len(cut), f"streams cut: {len(cut)}, {len(clean)} ended error+[DONE]")
 
@@ -281,6 +316,7 @@ async def fuzz(cfg: argparse.Namespace, cluster: ChaosCluster) -> Row:
 Scenario = Callable[[argparse.Namespace, ChaosCluster], Awaitable[Row]]
 RUNNERS: dict[str, Scenario] = {
     "kill": kill,
+    "restart": restart,
     "stop": pause,
     "redis": redis_outage,
     "gateway": gateway_restart,

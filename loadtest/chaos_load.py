@@ -6,7 +6,8 @@ turns, streaming or not, hostile bodies, requests the client abandons midway). E
 request ends as one ``Outcome``:
 
 * ``ok``: a complete answer — a 200 with its body, a stream that ends with ``[DONE]``
-  and carries no error event, or (for a hostile body) a 4xx OpenAI error;
+  (a Responses stream: with ``response.completed`` or ``response.incomplete``) and
+  carries no error event, or (for a hostile body) a 4xx OpenAI error;
 * ``failed``: anything else that came back: a 5xx or a 4xx for an honest request, a
   connection refused or cut, a stream that ended with an error event or without
   ``[DONE]``;
@@ -19,13 +20,14 @@ request ends as one ``Outcome``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import httpx
 
@@ -213,16 +215,31 @@ def _error_code(raw: bytes) -> str | None:
 def _read_body(raw: bytes, out: Outcome) -> None:
     try:
         body = json.loads(raw)
-        usage = body.get("usage") or {}
-        out.prompt_tokens = usage.get("prompt_tokens")
-        out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        ok = bool(body["choices"])
+        _read_usage(body.get("usage") or {}, out)
+        if body.get("object") == "response":
+            ok = body["status"] in ("completed", "incomplete") and bool(body["output"])
+        else:
+            ok = bool(body["choices"])
     except (ValueError, KeyError, TypeError, AttributeError):
         ok = False
-    out.kind, out.saw = ("ok", "HTTP 200") if ok else ("failed", "HTTP 200 without choices")
+    out.kind, out.saw = ("ok", "HTTP 200") if ok else ("failed", "HTTP 200 without an answer")
+
+
+def _read_usage(usage: dict[str, Any], out: Outcome) -> None:
+    """Chat and completions usage, or a response's (``input_tokens``)."""
+    if "input_tokens" in usage:
+        out.prompt_tokens = usage.get("input_tokens")
+        out.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
+    else:
+        out.prompt_tokens = usage.get("prompt_tokens")
+        out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 def _read_stream(text: str, out: Outcome) -> None:
+    names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]
+    if names:
+        _read_response_stream(text, names, out)
+        return
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     done = bool(events) and events[-1] == "[DONE]"
     errors = [e for e in events if e.startswith('{"error"')]
@@ -242,3 +259,19 @@ def _read_stream(text: str, out: Outcome) -> None:
         out.kind, out.saw = "failed", "stream: cut without [DONE]"
     else:
         out.kind, out.saw = "ok", "stream to [DONE]"
+
+
+def _read_response_stream(text: str, names: list[str], out: Outcome) -> None:
+    """A Responses stream: named events, the last one ending it (no ``[DONE]``)."""
+    done = names[-1] in ("response.completed", "response.incomplete")
+    errors = [n for n in names if n in ("error", "response.failed")]
+    if done:
+        last = [line[6:] for line in text.splitlines() if line.startswith("data: ")][-1]
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            _read_usage(json.loads(last)["response"].get("usage") or {}, out)
+    if errors:
+        out.kind, out.saw = "failed", f"responses stream: {errors[0]} event"
+    elif not done:
+        out.kind, out.saw = "failed", "responses stream: cut before its last event"
+    else:
+        out.kind, out.saw = "ok", "responses stream to its last event"

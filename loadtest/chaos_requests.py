@@ -2,7 +2,9 @@
 
 Honest turns come from a few dozen conversations under a handful of shared system
 prompts, so that the router has prefixes to keep warm (and more than one replica to keep
-them on) and a restarted part has a cache to find again.
+them on) and a restarted part has a cache to find again. A share of them go through the
+Responses API (the system prompt as ``instructions``), streamed or not, stored or not: a
+stored one's id is recorded for affinity before the client gets it.
 
 Hostile bodies are one of each input class that reaches parsing, validation, the
 tokenizer or the sampler in a way that could stop a server: numbers outside int64,
@@ -23,6 +25,7 @@ from loadtest.chaos_load import RequestSpec
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 SHOPS = ("bookshop", "bakery", "bicycle shop", "garden centre", "music shop", "toy shop")
 SYSTEM = (
     "You are the support assistant of a small {shop}. Answer briefly and politely, "
@@ -37,14 +40,19 @@ def honest(
     stream_share: float = 0.25,
     max_tokens: int = 8,
     stream_max_tokens: int = 64,
+    responses_share: float = 0.25,
 ) -> Callable[[random.Random], RequestSpec]:
     """A turn of a random conversation: its shop's system prompt, the conversation's own
     opening, a short question; streaming (with usage) for ``stream_share`` of them, with
-    longer answers, so that a fault finds streams midway."""
+    longer answers, so that a fault finds streams midway; ``responses_share`` of them
+    through the Responses API."""
 
     def make(rng: random.Random) -> RequestSpec:
         conversation = rng.randrange(conversations)
         stream = rng.random() < stream_share
+        headers = (("x-conversation-id", f"chaos-{conversation}"),)
+        if rng.random() < responses_share:
+            return _response_turn(rng, model, conversation, stream, headers)
         body: dict[str, Any] = {
             "model": model,
             "max_tokens": max_tokens,
@@ -58,8 +66,28 @@ def honest(
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
             body["max_tokens"] = stream_max_tokens
-        headers = (("x-conversation-id", f"chaos-{conversation}"),)
         return RequestSpec(CHAT, json.dumps(body).encode(), stream, headers=headers)
+
+    def _response_turn(
+        rng: random.Random,
+        model: str,
+        conversation: int,
+        stream: bool,
+        headers: tuple[tuple[str, str], ...],
+    ) -> RequestSpec:
+        body: dict[str, Any] = {
+            "model": model,
+            "instructions": SYSTEM.format(shop=SHOPS[conversation % 6]),
+            "input": [
+                {"role": "user", "content": f"I am customer {conversation}. " * 4},
+                {"role": "assistant", "content": "How can I help?"},
+                {"role": "user", "content": f"Question {rng.randrange(1000)}?"},
+            ],
+            "max_output_tokens": stream_max_tokens if stream else max_tokens,
+            "store": rng.random() < 0.5,
+            "stream": stream,
+        }
+        return RequestSpec(RESPONSES, json.dumps(body).encode(), stream, headers=headers)
 
     return make
 

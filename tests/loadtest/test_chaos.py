@@ -120,9 +120,63 @@ def test_request_mixes_are_seeded_and_keep_their_shares() -> None:
     hostile = sum(s.hostile is not None for s in drawn) / len(drawn)
     abandoned = sum(s.disconnect_after_s is not None for s in drawn) / len(drawn)
     assert hostile == pytest.approx(0.2, abs=0.03) and abandoned == pytest.approx(0.3, abs=0.03)
-    turn = honest("m", stream_share=1.0)(random.Random(1))
+    turn = honest("m", stream_share=1.0, responses_share=0.0)(random.Random(1))
     body = json.loads(turn.body)
     assert turn.stream and body["stream"] and body["stream_options"] == {"include_usage": True}
+    turns = [honest("m", responses_share=0.25)(rng) for _ in range(2_000)]
+    responses = [json.loads(t.body) for t in turns if t.path == "/v1/responses"]
+    assert len(responses) / len(turns) == pytest.approx(0.25, abs=0.03)
+    assert {r["store"] for r in responses} == {True, False}
+    assert {r["stream"] for r in responses} == {True, False}
+    assert all(r["instructions"].startswith("You are the support") for r in responses)
+
+
+def _named(*events: tuple[str, object]) -> str:
+    return "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in events)
+
+
+RESPONSE_USAGE = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}}
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "saw"),
+    [
+        (
+            _named(
+                ("response.created", {}),
+                ("response.output_text.delta", {"delta": "x"}),
+                ("response.completed", {"response": {"usage": RESPONSE_USAGE}}),
+            ),
+            "ok",
+            "responses stream to its last event",
+        ),
+        (
+            _named(("response.created", {}), ("error", {"message": "replica gone"})),
+            "failed",
+            "responses stream: error event",
+        ),
+        (_named(("response.created", {})), "failed", "responses stream: cut before its last event"),
+    ],
+)
+def test_a_responses_stream_is_ok_only_when_its_last_event_ends_it(
+    text: str, kind: str, saw: str
+) -> None:
+    out = _outcome()
+    _read_stream(text, out)
+    assert (out.kind, out.saw) == (kind, saw)
+    if kind == "ok":
+        assert (out.prompt_tokens, out.cached_tokens) == (40, 32)
+
+
+def test_a_whole_response_needs_output_and_an_ending_status() -> None:
+    out = _outcome(stream=False)
+    body = {"object": "response", "status": "completed", "output": [{}], "usage": RESPONSE_USAGE}
+    _read_body(json.dumps(body).encode(), out)
+    assert (out.kind, out.prompt_tokens, out.cached_tokens) == ("ok", 40, 32)
+    for bad in ({**body, "status": "failed"}, {**body, "output": []}):
+        out = _outcome(stream=False)
+        _read_body(json.dumps(bad).encode(), out)
+        assert out.kind == "failed"
 
 
 def test_a_row_is_one_markdown_line_and_fails_on_any_broken_check() -> None:
