@@ -36,6 +36,7 @@ from gateway.routing import KeyBuilder
 from gateway.state import GatewayState
 from gateway.upstream import Upstream
 from prefixgate.wire import OpenAIError, error_body
+from router.protocol import redacted_url
 from router.router import Router
 
 log = logging.getLogger("prefixgate.gateway")
@@ -138,7 +139,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         "gateway ready: policy=%s replicas=%s redis=%s",
         config.policy,
         list(state.router.replicas),
-        config.redis_url or "off",
+        redacted_url(config.redis_url) if config.redis_url else "off",
     )
     try:
         yield

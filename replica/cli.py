@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from replica.publisher import Publisher, PublisherConfig
     from replica.server import create_app
     from replica.state import Replica
+    from router.protocol import redacted_url
 
     advertise_url = args.advertise_url or f"http://{args.host}:{args.port}"
     replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         args.block_size,
         replica_id,
         advertise_url,
-        args.redis_url or "off",
+        redacted_url(args.redis_url) if args.redis_url else "off",
     )
     metrics = ReplicaMetrics(load=engine.load, cache=engine.cache_stats)
     replica = Replica(

@@ -26,7 +26,8 @@ replica adds itself to the set again at every heartbeat.
 
 Every event carries a per-replica sequence number that grows by one per event; a reader
 that sees a gap (or starts late) rebuilds that replica's view from the snapshot, whose
-``seq`` is the last event folded into it.
+``seq`` is the last event folded into it. A replica's life starts its numbers at the
+time in microseconds, so a restarted replica's first event is a gap.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NamedTuple
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_BLOCK_SIZE = 16
 KEY_BYTES = 32
@@ -256,6 +257,17 @@ def http_url(url: str, what: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{what} {url!r} is not an http(s) address with a host")
     return url
+
+
+def redacted_url(url: str) -> str:
+    """``url`` fit for a log line: a password in it (``redis://:secret@host``, a managed
+    Redis's URL) replaced by ``***``."""
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def _load_count(value: object) -> int:

@@ -40,6 +40,7 @@ from router.protocol import (
     SnapshotBlock,
     encode_snapshot,
     events_stream_key,
+    redacted_url,
     replica_info_key,
     snapshot_key,
 )
@@ -146,7 +147,9 @@ class Outage:
         if self.down:
             return False
         self.down = True
-        self.log.warning("redis at %s unreachable (%s); %s", self.redis_url, exc, self.down_note)
+        self.log.warning(
+            "redis at %s unreachable (%s); %s", redacted_url(self.redis_url), exc, self.down_note
+        )
         return True
 
     def mark_up(self) -> bool:
@@ -154,5 +157,5 @@ class Outage:
         if not self.down:
             return False
         self.down = False
-        self.log.info("redis at %s is back%s", self.redis_url, self.up_note)
+        self.log.info("redis at %s is back%s", redacted_url(self.redis_url), self.up_note)
         return True

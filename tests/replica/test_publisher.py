@@ -280,8 +280,10 @@ def test_snapshot_rewritten_when_redis_comes_back_empty_without_an_error(
     _run(scenario)
 
 
-def test_start_without_redis_does_not_fail() -> None:
-    pub = Publisher(_config("redis://127.0.0.1:1/0"))
+def test_start_without_redis_does_not_fail(caplog: pytest.LogCaptureFixture) -> None:
+    """And the outage's log line names Redis without its password (a managed Redis's URL
+    carries one)."""
+    pub = Publisher(_config("redis://prefixgate:s3cret@127.0.0.1:1/0"))
 
     async def scenario() -> None:
         await pub.start(ReplicaLoad)
@@ -290,7 +292,10 @@ def test_start_without_redis_does_not_fail() -> None:
         assert not pub.stats.connected
         await pub.stop()
 
-    _run(scenario)
+    with caplog.at_level(logging.WARNING, logger="prefixgate.replica.publisher"):
+        _run(scenario)
+    assert "redis at redis://prefixgate:***@127.0.0.1:1/0 unreachable" in caplog.text
+    assert "s3cret" not in caplog.text
 
 
 def test_a_failing_load_callback_does_not_end_heartbeats(redis_server: RedisServer) -> None:

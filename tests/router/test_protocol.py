@@ -36,6 +36,7 @@ from router.protocol import (
     encode_snapshot,
     encode_tokens,
     event_seq,
+    redacted_url,
     root_key,
     short_key,
 )
@@ -335,3 +336,21 @@ def test_encoders_refuse_full_keys() -> None:
         encode_snapshot(1, [SnapshotBlock(None, full)])
     with pytest.raises(ValueError, match="16-byte"):
         RoutedHint("g", "r", (full,)).encode()
+
+
+@pytest.mark.parametrize(
+    ("url", "logged"),
+    [
+        ("redis://:s3cret@redis:6379/0", "redis://:***@redis:6379/0"),
+        (
+            "rediss://default:s3cret@cache.example.com:6380",
+            "rediss://default:***@cache.example.com:6380",
+        ),
+        ("redis://user:p@ss:w@rd@host/0", "redis://user:***@host/0"),
+        ("redis://user@host:6379", "redis://user@host:6379"),  # no password
+        ("redis://redis:6379/0", "redis://redis:6379/0"),
+        ("unix:///tmp/redis.sock", "unix:///tmp/redis.sock"),
+    ],
+)
+def test_a_url_is_logged_without_its_password(url: str, logged: str) -> None:
+    assert redacted_url(url) == logged
