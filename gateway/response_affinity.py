@@ -2,7 +2,14 @@
 
 Shared through Redis (a key per id with a TTL, so every gateway agrees) and kept in a
 bounded local table (the only record when there is no Redis, and the first place looked).
-Redis failures degrade to the local table with a warning; they never fail a request.
+Redis failures degrade to the local table; they never fail a request that the local
+table can answer. A lookup that only Redis could answer while Redis fails raises
+``AffinityUnavailable`` (a 503 with Retry-After: the client's retry finds the record
+once Redis is back), not a 404 that would end the client's conversation.
+
+After a failure Redis is left alone for a backoff (1 s, doubling to 30 s; reset by a
+success), logged once per outage: a hung Redis (a failover, a network partition) made
+every stored response wait out the 2 s socket timeout, and logged a warning each.
 
 Each record also carries the conversation key of the chain the response belongs to
 (gateway/responses.py, ``conversation``), so a follow-up through any gateway continues
@@ -17,6 +24,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -24,6 +32,12 @@ log = logging.getLogger("prefixgate.gateway")
 
 AFFINITY_TTL_S = 3600.0  # the built-in replica's store keeps a response this long unused
 REDIS_PREFIX = "prefixgate:response:"
+MIN_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+
+class AffinityUnavailable(Exception):
+    """Only Redis could say who stored a response, and Redis is failing."""
 
 
 class Owner(NamedTuple):
@@ -41,16 +55,42 @@ class ResponseAffinity:
     max_local: int = 100_000
     local: OrderedDict[str, tuple[Owner, float]] = field(default_factory=OrderedDict)
     client: Any = None  # redis.asyncio.Redis, made on first use
+    clock: Callable[[], float] = time.monotonic
+    down_until: float = 0.0  # Redis is left alone until then (after a failure)
+    backoff_s: float = 0.0  # the last backoff; 0 while Redis answers
 
     def _redis(self) -> Any:
-        if self.redis_url is not None and self.client is None:
+        """The client; None without Redis, or while it is left alone after a failure."""
+        if self.redis_url is None or self.clock() < self.down_until:
+            return None
+        if self.client is None:
             import redis.asyncio as aioredis
 
             self.client = aioredis.from_url(self.redis_url, socket_timeout=2.0)
         return self.client
 
+    @property
+    def redis_down(self) -> bool:
+        return self.backoff_s > 0
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        if not self.backoff_s:
+            log.warning(
+                "response affinity: Redis failed (%s: %s); records stay in this gateway,"
+                " lookups it cannot answer are 503 until Redis answers again",
+                what,
+                exc,
+            )
+        self.backoff_s = min(max(2 * self.backoff_s, MIN_BACKOFF_S), MAX_BACKOFF_S)
+        self.down_until = self.clock() + self.backoff_s
+
+    def _answered(self) -> None:
+        if self.backoff_s:
+            log.info("response affinity: Redis answers again")
+        self.backoff_s = 0.0
+
     async def record(self, response_id: str, owner: Owner) -> None:
-        self.local[response_id] = (owner, time.monotonic() + self.ttl_s)
+        self.local[response_id] = (owner, self.clock() + self.ttl_s)
         self.local.move_to_end(response_id)
         while len(self.local) > self.max_local:
             self.local.popitem(last=False)
@@ -59,21 +99,28 @@ class ResponseAffinity:
             return
         try:
             await client.set(REDIS_PREFIX + response_id, encode(owner), ex=int(self.ttl_s))
-        except Exception as exc:  # Redis down: this gateway still knows; others will 404
-            log.warning("response affinity for %s not shared (Redis: %s)", response_id, exc)
+        except Exception as exc:  # Redis down: this gateway still knows; others cannot
+            self._failed(f"recording {response_id}", exc)
+            return
+        self._answered()
 
     async def lookup(self, response_id: str) -> Owner | None:
+        """The owner, or None when nobody recorded ``response_id``; raises
+        ``AffinityUnavailable`` when only a failing Redis could tell."""
         entry = self.local.get(response_id)
-        if entry is not None and entry[1] > time.monotonic():
+        if entry is not None and entry[1] > self.clock():
             return entry[0]
+        if self.redis_url is None:
+            return None
         client = self._redis()
         if client is None:
-            return None
+            raise AffinityUnavailable(f"Redis failed {self.backoff_s:g} s ago or less")
         try:
             raw = await client.get(REDIS_PREFIX + response_id)
         except Exception as exc:
-            log.warning("response affinity lookup for %s failed (Redis: %s)", response_id, exc)
-            return None
+            self._failed(f"looking up {response_id}", exc)
+            raise AffinityUnavailable(str(exc)) from None
+        self._answered()
         if raw is None:
             return None
         owner = decode(raw)
@@ -92,8 +139,10 @@ class ResponseAffinity:
         if client is not None:
             try:
                 await client.delete(REDIS_PREFIX + response_id)
-            except Exception as exc:
-                log.warning("response affinity for %s not removed (Redis: %s)", response_id, exc)
+            except Exception as exc:  # its record expires within the TTL
+                self._failed(f"removing {response_id}", exc)
+                return
+            self._answered()
 
 
 def encode(owner: Owner) -> str:

@@ -46,7 +46,7 @@ from gateway.auth import Tenant
 from gateway.exchange import Exchange
 from gateway.handler import answer, forward_watched, read_body, unknown_model
 from gateway.proxy import Forward, forward_headers
-from gateway.response_affinity import Owner
+from gateway.response_affinity import AffinityUnavailable, Owner
 from gateway.responses_hooks import ResponsesHooks
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
@@ -192,8 +192,20 @@ async def _create(
 
 async def _owner(state: GatewayState, response_id: str, tenant: str, param: str | None) -> Owner:
     """The replica that stored ``response_id`` for ``tenant``: 404 when no gateway
-    recorded it for this tenant or its replica is gone, 503 when it is unhealthy now."""
-    owner = await state.affinity.lookup(response_id)
+    recorded it for this tenant or its replica is gone, 503 when it is unhealthy now or
+    only a failing Redis could tell."""
+    try:
+        owner = await state.affinity.lookup(response_id)
+    except AffinityUnavailable as exc:
+        raise OpenAIError(
+            f"Who stored response '{response_id}' is recorded in Redis, which is not "
+            f"answering ({exc}); retry shortly.",
+            status=503,
+            type="server_error",
+            code="response_affinity_unavailable",
+            param=param,
+            headers={"Retry-After": "1"},
+        ) from None
     if owner is None or owner.tenant != tenant:
         raise OpenAIError(
             f"Response with id '{response_id}' not found: no gateway recorded it (unknown, "
