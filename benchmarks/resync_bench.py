@@ -3,7 +3,7 @@ event loop, against a real redis-server.
 
     .venv/bin/python benchmarks/resync_bench.py [--events 100000] [--blocks 20000]
 
-A replica's event stream is capped at 100,000 events (``PublisherConfig.stream_maxlen``),
+A replica's event stream was capped at 100,000 events (now ``STREAM_MAXLEN``, 10,000),
 and a busy replica keeps it full; its snapshot (``--blocks`` blocks) is as of the
 stream's last event but ``--behind``. A gateway rebuilds a replica's view when it starts,
 after a sequence gap, after every Redis reconnect (every replica then), and when a

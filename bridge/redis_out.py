@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.protocol import BlockEvent, Medium, ReplicaInfo, ReplicaLoad, SnapshotBlock
-from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis, new_life_seq
+from router.replica_redis import (
+    REDIS_ERRORS,
+    STREAM_MAXLEN,
+    Outage,
+    ReplicaRedis,
+    new_life_seq,
+)
 
 log = logging.getLogger("prefixgate.bridge.redis")
 
@@ -48,7 +54,7 @@ class WriterConfig:
     model: str
     block_size: int
     info_ttl_s: float = 5.0
-    stream_maxlen: int = 100_000
+    stream_maxlen: int = STREAM_MAXLEN
     batch_size: int = 512
     redis_timeout_s: float = 1.0
 

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 from router.backoff import Backoff
 from router.protocol import BlockEvent, Medium, ReplicaInfo, ReplicaLoad, SnapshotBlock, short_key
-from router.replica_redis import REDIS_ERRORS, Outage, ReplicaRedis, new_life_seq
+from router.replica_redis import (
+    REDIS_ERRORS,
+    STREAM_MAXLEN,
+    Outage,
+    ReplicaRedis,
+    new_life_seq,
+)
 
 log = logging.getLogger("prefixgate.replica.publisher")
 
@@ -46,7 +52,7 @@ class PublisherConfig:
     heartbeat_s: float = 1.0
     info_ttl_s: float = 5.0
     snapshot_interval_s: float = 5.0
-    stream_maxlen: int = 100_000
+    stream_maxlen: int = STREAM_MAXLEN
     batch_size: int = 512
     min_backoff_s: float = 0.1
     max_backoff_s: float = 2.0

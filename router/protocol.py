@@ -49,8 +49,8 @@ KEY_PREFIX = "prefixgate"
 
 REPLICAS_SET = f"{KEY_PREFIX}:replicas"
 ROUTED_CHANNEL = f"{KEY_PREFIX}:routed"
-# How long a replica's event stream and snapshot outlive its last heartbeat (each is up
-# to ~20 MB: 100,000 events, or a million blocks).
+# How long a replica's event stream and snapshot outlive its last heartbeat (a few MB
+# each: ~10,000 events, and a snapshot of ~35 bytes a block).
 RETAIN_S = 3600.0
 # Bounds on what a registry record may say (the router multiplies both into floats).
 MAX_BLOCK_SIZE = 65_536

@@ -47,6 +47,14 @@ from router.protocol import (
 
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
+# A replica's event stream keeps about this many events (XADD MAXLEN ~, so at least
+# this many). Readers need only the events after the snapshot, which the writers
+# rewrite every few seconds and whenever half the cap has gone by since the last one,
+# so the stream always reaches back to it; a reader that falls further behind sees a
+# gap and rebuilds from the snapshot. Each event is ~340 bytes in Redis: at 100,000 a
+# busy replica's stream held 32 MiB, 2 GiB for 64 replicas (docs/BENCHMARKS.md).
+STREAM_MAXLEN = 10_000
+
 
 def new_life_seq() -> int:
     """The seq a replica's first event of this life follows: microseconds since the

@@ -281,9 +281,9 @@ class RedisSync:
         folded in (after a prefix cache reset: the cleared blocks back, ``last_seq``
         behind the reset's seq). The stream is read back from its end only as far as
         the snapshot's seq (older pages, which no writer changes, after the
-        transaction): a capped stream holds up to 100,000 events, whose parsing alone
-        takes seconds of the event loop, while a snapshot is at most a few seconds and
-        a few hundred events old."""
+        transaction): a capped stream holds 10,000 events or more (100,000 before,
+        whose parsing alone took seconds of the event loop), while a snapshot is at
+        most a few seconds and a few hundred events old."""
         client = self._require_client()
         stream = events_stream_key(replica_id)
         pipe = client.pipeline(transaction=True)

@@ -7,6 +7,7 @@ the engine does; the HTTP-level tests in test_server.py cover the whole replica.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import threading
@@ -29,7 +30,7 @@ from router.protocol import (
     short_key,
     snapshot_key,
 )
-from router.replica_redis import ReplicaRedis
+from router.replica_redis import STREAM_MAXLEN, ReplicaRedis
 from router.router import Router
 from router.sync import RedisSync
 from tests.conftest import RedisServer, wait_until_async
@@ -421,3 +422,51 @@ def test_gateways_follow_a_replica_that_restarts_under_the_same_id(
 
 async def _no_deregister(self: ReplicaRedis) -> None:
     return None
+
+
+@pytest.mark.timeout(90)
+def test_a_busy_replicas_stream_stays_near_its_cap_and_late_gateways_still_see_all(
+    redis_server: RedisServer,
+) -> None:
+    """25,000 events: the stream keeps about ``STREAM_MAXLEN`` of them (each ~340 bytes
+    in Redis: 100,000 was 32 MiB a replica), and a snapshot is rewritten often enough
+    that the stream always reaches back to it, so a gateway that starts afterwards
+    rebuilds the replica's whole cache."""
+    client = redis.Redis.from_url(redis_server.url)
+    pub = Publisher(_config(redis_server.url, snapshot_interval_s=60.0))  # only the cap's
+    keys = [_key(i) for i in range(25_000)]
+    router = Router()
+    sync = RedisSync(router, redis_server.url, poll_interval_s=0.05)
+
+    def engine_thread(start: int) -> None:  # 1,000 events, as a busy engine's second
+        for i in range(start, start + 1_000):
+            pub.on_stored(keys[i - 1] if i else None, [keys[i]])
+
+    def snapshot_seq() -> int:
+        raw = client.get(snapshot_key(RID))
+        return decode_snapshot(raw).seq if raw else -1  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        await pub.start(ReplicaLoad)
+        for start in range(0, len(keys), 1_000):
+            await asyncio.to_thread(engine_thread, start)  # the loop writes meanwhile
+            await wait_until_async(functools.partial(_published, pub, start + 1_000))
+        assert pub.stats.events_dropped == 0
+        # Rewritten each time half the cap had gone by (snapshot_interval_s is a minute).
+        await wait_until_async(lambda: snapshot_seq() >= pub.stats.seq - STREAM_MAXLEN // 2)
+        assert pub.stats.snapshots_written >= len(keys) // (STREAM_MAXLEN // 2)
+        length = client.xlen(events_stream_key(RID))
+        assert STREAM_MAXLEN <= length <= 1.2 * STREAM_MAXLEN
+        first: Any = client.xrange(events_stream_key(RID), count=1)
+        assert snapshot_seq() >= BlockEvent.decode(first[0][1]).seq - 1  # reaches back
+        await sync.start()
+        held = [short_key(k) for k in keys]
+        await wait_until_async(lambda: router.index.match(held).get(RID, 0) == len(keys))
+        await sync.aclose()
+        await pub.stop()
+
+    _run(scenario)
+
+
+def _published(pub: Publisher, events: int) -> bool:
+    return pub.stats.events_published == events
