@@ -379,20 +379,22 @@ class Snapshot(NamedTuple):
 _SNAPSHOT_MAGIC = b"PGS1"
 
 
-def encode_snapshot(seq: int, blocks: Iterable[SnapshotBlock]) -> bytes:
+def encode_snapshot(
+    seq: int, blocks: Iterable[SnapshotBlock | tuple[bytes | None, bytes, Medium]]
+) -> bytes:
     """``PGS1 ‖ u64le(seq) ‖ records``; a record is ``flag ‖ parent16 ‖ key16`` where
     flag bit 0 set means the block has a parent and clear that it starts at the root
     (parent bytes then are zero and ignored), and bit 1 set that the block is on the
     host tier. Parents come before their children."""
-    out = bytearray(_SNAPSHOT_MAGIC)
-    out += seq.to_bytes(8, "little")
     zero = bytes(SHORT_KEY_BYTES)
+    flags = [bytes((flag,)) for flag in range(4)]
+    parts = [_SNAPSHOT_MAGIC, seq.to_bytes(8, "little")]
     for parent, key, medium in blocks:
-        _check_short((key,) if parent is None else (parent, key))
+        if len(key) != SHORT_KEY_BYTES or (parent is not None and len(parent) != SHORT_KEY_BYTES):
+            _check_short((key,) if parent is None else (parent, key))  # raises, naming it
         flag = (parent is not None) | (medium == "host") << 1
-        out += bytes((flag,)) + (parent if parent is not None else zero)
-        out += key
-    return bytes(out)
+        parts += (flags[flag], zero if parent is None else parent, key)
+    return b"".join(parts)
 
 
 def decode_snapshot(raw: bytes) -> Snapshot:
