@@ -29,6 +29,13 @@ def _sse(*events: object) -> str:
     return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
 
 
+def _named(*events: tuple[str, object]) -> str:
+    return "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in events)
+
+
+RESPONSE_USAGE = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}}
+
+
 @pytest.mark.parametrize(
     ("text", "kind", "saw"),
     [
@@ -49,9 +56,25 @@ def _sse(*events: object) -> str:
         ),
         (_sse({"choices": []}), "failed", "stream: cut without [DONE]"),
         ("", "failed", "stream: cut without [DONE]"),
+        # A Responses stream: named events, ended by its last one (no [DONE]).
+        (
+            _named(
+                ("response.created", {}),
+                ("response.output_text.delta", {"delta": "x"}),
+                ("response.completed", {"response": {"usage": RESPONSE_USAGE}}),
+            ),
+            "ok",
+            "responses stream to its last event",
+        ),
+        (
+            _named(("response.created", {}), ("error", {"message": "replica gone"})),
+            "failed",
+            "responses stream: error event",
+        ),
+        (_named(("response.created", {})), "failed", "responses stream: cut before its last event"),
     ],
 )
-def test_a_stream_is_ok_only_when_it_ends_with_done_and_no_error(
+def test_a_stream_is_ok_only_when_it_ends_whole_with_no_error_event(
     text: str, kind: str, saw: str
 ) -> None:
     out = _outcome()
@@ -129,43 +152,6 @@ def test_request_mixes_are_seeded_and_keep_their_shares() -> None:
     assert {r["store"] for r in responses} == {True, False}
     assert {r["stream"] for r in responses} == {True, False}
     assert all(r["instructions"].startswith("You are the support") for r in responses)
-
-
-def _named(*events: tuple[str, object]) -> str:
-    return "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in events)
-
-
-RESPONSE_USAGE = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}}
-
-
-@pytest.mark.parametrize(
-    ("text", "kind", "saw"),
-    [
-        (
-            _named(
-                ("response.created", {}),
-                ("response.output_text.delta", {"delta": "x"}),
-                ("response.completed", {"response": {"usage": RESPONSE_USAGE}}),
-            ),
-            "ok",
-            "responses stream to its last event",
-        ),
-        (
-            _named(("response.created", {}), ("error", {"message": "replica gone"})),
-            "failed",
-            "responses stream: error event",
-        ),
-        (_named(("response.created", {})), "failed", "responses stream: cut before its last event"),
-    ],
-)
-def test_a_responses_stream_is_ok_only_when_its_last_event_ends_it(
-    text: str, kind: str, saw: str
-) -> None:
-    out = _outcome()
-    _read_stream(text, out)
-    assert (out.kind, out.saw) == (kind, saw)
-    if kind == "ok":
-        assert (out.prompt_tokens, out.cached_tokens) == (40, 32)
 
 
 def test_a_whole_response_needs_output_and_an_ending_status() -> None:
