@@ -262,7 +262,10 @@ def http_url(url: str, what: str) -> str:
 def redacted_url(url: str) -> str:
     """``url`` fit for a log line: a password in it (``redis://:secret@host``, a managed
     Redis's URL) replaced by ``***``."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # "redis://[::1", say: no telling where a password would be
+        return "<a URL that does not parse>"
     userinfo, at, host = parts.netloc.rpartition("@")
     if not at or ":" not in userinfo:
         return url

@@ -350,6 +350,7 @@ def test_encoders_refuse_full_keys() -> None:
         ("redis://user@host:6379", "redis://user@host:6379"),  # no password
         ("redis://redis:6379/0", "redis://redis:6379/0"),
         ("unix:///tmp/redis.sock", "unix:///tmp/redis.sock"),
+        ("redis://:s3cret@[::1", "<a URL that does not parse>"),
     ],
 )
 def test_a_url_is_logged_without_its_password(url: str, logged: str) -> None:
