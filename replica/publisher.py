@@ -264,7 +264,7 @@ class Publisher:
     async def _write_snapshot(self) -> None:
         assert self._redis is not None
         # Off the event loop: a 120,000-block cache held the server's loop, and every
-        # token stream on it, for up to 480 ms every few seconds.
+        # token stream on it, for about half a second every few seconds.
         seq, raw = await asyncio.to_thread(self.encoded_snapshot)
         await self._redis.write_encoded_snapshot(raw)
         with self._lock:
