@@ -35,7 +35,6 @@ from router.protocol import (
     Medium,
     ReplicaInfo,
     ReplicaLoad,
-    SnapshotBlock,
     encode_snapshot,
     short_key,
 )
@@ -164,24 +163,15 @@ class Publisher:
 
     # ------------------------------------------------------------- snapshot (any thread)
 
-    def snapshot(self) -> tuple[int, list[SnapshotBlock]]:
-        """The mirror as (seq, blocks with parents before children)."""
-        seq, blocks = self._ordered()
-        return seq, [SnapshotBlock(*block) for block in blocks]
-
     def encoded_snapshot(self) -> tuple[int, bytes]:
-        """``snapshot`` as ``encode_snapshot`` writes it, with no block object made on
-        the way (a cache of 10⁵ blocks: 10⁵ tuples for the collector otherwise)."""
-        seq, blocks = self._ordered()
-        return seq, encode_snapshot(seq, blocks)
-
-    def _ordered(self) -> tuple[int, Iterator[tuple[bytes | None, bytes, Medium]]]:
-        """The seq and a copy of the mirror as (parent, key, medium), parents first."""
+        """The mirror as (seq, ``encode_snapshot`` of its blocks, parents before
+        children), with no block object made on the way (a cache of 10⁵ blocks: 10⁵
+        tuples for the collector otherwise)."""
         with self._lock:
             seq = self._seq
             mirror = dict(self._mirror)
             on_host = set(self._on_host)
-        return seq, _parents_first(mirror, on_host)
+        return seq, encode_snapshot(seq, _parents_first(mirror, on_host))
 
     def cached_keys(self) -> set[bytes]:
         with self._lock:
