@@ -7,9 +7,10 @@ table can answer. A lookup that only Redis could answer while Redis fails raises
 ``AffinityUnavailable`` (a 503 with Retry-After: the client's retry finds the record
 once Redis is back), not a 404 that would end the client's conversation.
 
-After a failure Redis is left alone for a backoff (1 s, doubling to 30 s; reset by a
-success), logged once per outage: a hung Redis (a failover, a network partition) made
-every stored response wait out the 2 s socket timeout, and logged a warning each.
+After a failure Redis is left alone for a backoff (``router.backoff.Backoff``: up to 1 s,
+doubling to 30 s, with jitter; reset by a success), and the outage is logged once
+(``Outage``): a hung Redis (a failover, a network partition) made every stored response
+wait out the 2 s socket timeout, and logged a warning each.
 
 Each record also carries the conversation key of the chain the response belongs to
 (gateway/responses.py, ``conversation``), so a follow-up through any gateway continues
@@ -27,6 +28,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from router.backoff import Backoff
+from router.replica_redis import Outage
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -57,7 +61,17 @@ class ResponseAffinity:
     client: Any = None  # redis.asyncio.Redis, made on first use
     clock: Callable[[], float] = time.monotonic
     down_until: float = 0.0  # Redis is left alone until then (after a failure)
-    backoff_s: float = 0.0  # the last backoff; 0 while Redis answers
+    backoff: Backoff = field(default_factory=lambda: Backoff(MIN_BACKOFF_S, MAX_BACKOFF_S))
+    outage: Outage = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outage = Outage(
+            log,
+            self.redis_url or "",
+            down_note="response affinity stays in this gateway; a lookup only Redis could"
+            " answer is a 503 until it answers",
+            up_note="; response affinity is shared again",
+        )
 
     def _redis(self) -> Any:
         """The client; None without Redis, or while it is left alone after a failure."""
@@ -69,25 +83,13 @@ class ResponseAffinity:
             self.client = aioredis.from_url(self.redis_url, socket_timeout=2.0)
         return self.client
 
-    @property
-    def redis_down(self) -> bool:
-        return self.backoff_s > 0
-
-    def _failed(self, what: str, exc: Exception) -> None:
-        if not self.backoff_s:
-            log.warning(
-                "response affinity: Redis failed (%s: %s); records stay in this gateway,"
-                " lookups it cannot answer are 503 until Redis answers again",
-                what,
-                exc,
-            )
-        self.backoff_s = min(max(2 * self.backoff_s, MIN_BACKOFF_S), MAX_BACKOFF_S)
-        self.down_until = self.clock() + self.backoff_s
+    def _failed(self, exc: Exception) -> None:
+        self.outage.mark_down(exc)
+        self.down_until = self.clock() + self.backoff.next_delay()
 
     def _answered(self) -> None:
-        if self.backoff_s:
-            log.info("response affinity: Redis answers again")
-        self.backoff_s = 0.0
+        self.outage.mark_up()
+        self.backoff.reset()
 
     async def record(self, response_id: str, owner: Owner) -> None:
         self.local[response_id] = (owner, self.clock() + self.ttl_s)
@@ -100,7 +102,7 @@ class ResponseAffinity:
         try:
             await client.set(REDIS_PREFIX + response_id, encode(owner), ex=int(self.ttl_s))
         except Exception as exc:  # Redis down: this gateway still knows; others cannot
-            self._failed(f"recording {response_id}", exc)
+            self._failed(exc)
             return
         self._answered()
 
@@ -114,11 +116,11 @@ class ResponseAffinity:
             return None
         client = self._redis()
         if client is None:
-            raise AffinityUnavailable(f"Redis failed {self.backoff_s:g} s ago or less")
+            raise AffinityUnavailable("it failed moments ago; retried after a backoff")
         try:
             raw = await client.get(REDIS_PREFIX + response_id)
         except Exception as exc:
-            self._failed(f"looking up {response_id}", exc)
+            self._failed(exc)
             raise AffinityUnavailable(str(exc)) from None
         self._answered()
         if raw is None:
@@ -140,7 +142,7 @@ class ResponseAffinity:
             try:
                 await client.delete(REDIS_PREFIX + response_id)
             except Exception as exc:  # its record expires within the TTL
-                self._failed(f"removing {response_id}", exc)
+                self._failed(exc)
                 return
             self._answered()
 
