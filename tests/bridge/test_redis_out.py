@@ -17,8 +17,8 @@ from router.protocol import (
     events_stream_key,
     snapshot_key,
 )
-from router.replica_redis import ReplicaRedis
 from tests.conftest import RedisServer
+from tests.support.faults import fail_writes_once
 
 
 def test_a_long_outage_queues_no_more_events_than_the_stream_holds() -> None:
@@ -40,15 +40,7 @@ def test_an_unexpected_write_error_owes_a_snapshot(
 ) -> None:
     """A write that fails with anything but a Redis error (a bug) still loses its batch:
     the writer owes a snapshot, and the next flush writes it, then what came after."""
-    write_events = ReplicaRedis.write_events
-    failures = [TypeError("an encoder bug")]
-
-    async def failing_once(self: ReplicaRedis, *args: Any, **kwargs: Any) -> None:
-        if failures:
-            raise failures.pop()
-        await write_events(self, *args, **kwargs)
-
-    monkeypatch.setattr(ReplicaRedis, "write_events", failing_once)
+    failures = fail_writes_once(monkeypatch, TypeError("an encoder bug"))
     config = WriterConfig(redis_server.url, "r0", "http://r0", "m", 16)
     held: list[SnapshotBlock] = []
     writer = RedisWriter(config, snapshot=lambda: list(held))
@@ -61,6 +53,7 @@ def test_an_unexpected_write_error_owes_a_snapshot(
         held.append(SnapshotBlock(None, a))
         with pytest.raises(TypeError):
             await writer.flush()
+        assert not failures  # it fired
         assert writer.need_snapshot and writer.stats.events_dropped == 1
         writer.stored(a, (bytes([1]) * 16,))
         await writer.flush()

@@ -35,6 +35,7 @@ from router.replica_redis import STREAM_MAXLEN, ReplicaRedis
 from router.router import Router
 from router.sync import RedisSync
 from tests.conftest import RedisServer, wait_until_async
+from tests.support.faults import fail_writes_once
 
 RID = "r-test"
 
@@ -389,15 +390,7 @@ def test_an_unexpected_write_error_does_not_end_publishing(
     client = redis.Redis.from_url(redis_server.url)
     pub = Publisher(_config(redis_server.url, snapshot_interval_s=60.0))
     s = pub.stats.seq
-    write_events = ReplicaRedis.write_events
-    failures = [TypeError("an encoder bug")]
-
-    async def failing_once(self: ReplicaRedis, *args: Any, **kwargs: Any) -> None:
-        if failures:
-            raise failures.pop()
-        await write_events(self, *args, **kwargs)
-
-    monkeypatch.setattr(ReplicaRedis, "write_events", failing_once)
+    failures = fail_writes_once(monkeypatch, TypeError("an encoder bug"))
     a, b = _key(0), _key(1)
 
     async def scenario() -> None:
