@@ -18,6 +18,7 @@ from gateway.config import POLICIES, GatewayConfig
 from prefixgate.envflags import add_env_flag, add_env_list_flag
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
+from prefixgate.open_files import prepare_open_files
 from router.config import RouterConfig, with_options
 
 
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-        limits = http_limits_from_args(args)
+        # Two descriptors per client: its connection and the pooled one to its replica.
+        open_files = prepare_open_files(fds_per_connection=2)
+        limits = http_limits_from_args(args, open_files.max_connections)
         # Keyed mode refuses POST bodies that are not JSON: a browser's cross-site
         # "simple" request (text/plain, form types) is never served.
         guard = GuardConfig(config.max_body_bytes, require_json=config.api_keys_path is not None)
@@ -167,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health probe: noise
+    logging.getLogger("prefixgate.gateway").info(open_files.describe())
     import uvicorn
 
     from gateway.app import create_app

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from gateway.state import GatewayState
+from prefixgate.open_files import out_of_files
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -26,11 +27,13 @@ def static_replica_id(url: str) -> str:
     return parts.netloc or url
 
 
-async def probe_once(client: httpx.AsyncClient, url: str, timeout: float) -> bool:
+async def probe_once(client: httpx.AsyncClient, url: str, timeout: float) -> bool | None:
+    """Whether the replica answered its health check; None when the gateway could not
+    ask (no file descriptor to spare here: no verdict on the replica)."""
     try:
         response = await client.get(url + "/health", timeout=timeout)
-    except (httpx.HTTPError, httpx.InvalidURL):  # InvalidURL is no HTTPError: it ended rounds
-        return False
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL is no HTTPError
+        return None if out_of_files(exc) else False
     return response.status_code == 200
 
 
@@ -39,7 +42,7 @@ async def probe_all(state: GatewayState) -> None:
     timeout = state.config.probe_timeout_s
     results = await asyncio.gather(*(probe_once(state.client, v.url, timeout) for v in views))
     for view, ok in zip(views, results, strict=True):
-        if view.replica_id in state.router.replicas:  # not removed meanwhile
+        if ok is not None and view.replica_id in state.router.replicas:  # not removed meanwhile
             state.router.report_probe(view.replica_id, ok)
 
 

@@ -25,6 +25,7 @@ from gateway.exchange import Exchange
 from gateway.http1 import Response, UpstreamError
 from gateway.reply import error_event, send_bytes, send_error_passthrough, send_json
 from gateway.state import GatewayState
+from gateway.upstream import OUT_OF_FILES, POOL_TIMEOUT
 from gateway.usage import SSEScanner, cached_tokens_in
 from prefixgate.wire import OpenAIError, error_body
 from router.router import Decision, NoHealthyReplica
@@ -47,7 +48,6 @@ DROPPED_HEADERS = frozenset(
     }
 )
 RETRY_AFTER_S = "1"
-POOL_TIMEOUT = "PoolTimeout"  # UpstreamError.kind: no free connection; nothing was sent
 ATTEMPTS = 2  # the first replica, then the next best once
 
 
@@ -146,7 +146,7 @@ async def _attempt(
             request.method, url + request.path, request.body, request.headers
         )
     except UpstreamError as exc:
-        if exc.kind == POOL_TIMEOUT:
+        if exc.kind in (POOL_TIMEOUT, OUT_OF_FILES):
             attempt.not_sent()
         else:
             attempt.fail()
@@ -173,9 +173,18 @@ async def _attempt(
 
 async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
     """After the retry: the last 5xx as it came (OpenAI-shaped), 503 with Retry-After
-    when the last replica tried had no free connection in time, or 502 if none answered."""
+    when the last replica tried had no free connection in time or the gateway had no file
+    descriptor to spare, or 502 if none answered."""
     if failure.status is not None:
         await send_error_passthrough(send, failure.status, failure.body, ex)
+        return
+    if failure.kind == OUT_OF_FILES:
+        body = error_body(
+            "The gateway is at its open-file limit; retry shortly.",
+            type="server_error",
+            code="gateway_busy",
+        )
+        await send_json(send, 503, body, ex, {"Retry-After": RETRY_AFTER_S})
         return
     if failure.kind == POOL_TIMEOUT:
         body = error_body(

@@ -22,12 +22,17 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from gateway.http1 import Connection, Response, Target, UpstreamError
+from prefixgate.open_files import out_of_files
 
 # Uvicorn (vLLM, SGLang, our replicas) drops idle keep-alive connections after 5 s; we let
 # go of them a little earlier, so a pooled connection is rarely dead when it is reused.
 KEEPALIVE_S = 4.0
 MAX_TARGETS = 4096  # replicas come and go: parsed URLs and idle pools stay bounded
 METHODS = frozenset({"GET", "POST", "DELETE"})  # what the gateway forwards
+# UpstreamError.kinds for a request that was not sent, for want of a free connection to
+# the replica in time, or of a file descriptor here: neither is the replica's failure.
+POOL_TIMEOUT = "PoolTimeout"
+OUT_OF_FILES = "OutOfFiles"
 
 
 @dataclass(slots=True)
@@ -121,7 +126,7 @@ class Upstream:
                 async with asyncio.timeout(self._pool_timeout_s):
                     await pool.slots.acquire()
             except TimeoutError:
-                raise UpstreamError("PoolTimeout") from None
+                raise UpstreamError(POOL_TIMEOUT) from None
         else:
             await pool.slots.acquire()  # free: returns without waiting
         pool.in_use += 1
@@ -159,7 +164,8 @@ class Upstream:
         except TimeoutError:
             raise UpstreamError("ConnectTimeout") from None
         except OSError as exc:
-            raise UpstreamError("ConnectError") from exc
+            kind = OUT_OF_FILES if out_of_files(exc) else "ConnectError"
+            raise UpstreamError(kind) from exc
         # uvloop may resolve create_connection before it calls connection_made.
         conn.transport = cast(asyncio.Transport, transport)
         return conn

@@ -16,6 +16,10 @@ protocol with these limits added:
 * a body not complete within ``body_timeout_s`` of the end of its head: 408 when nothing
   was answered yet, and the connection is closed (the app sees a disconnect).
 
+* a connection beyond ``max_connections`` open at once (the server's open-file budget,
+  prefixgate/open_files.py): 503 with Retry-After, closed at once, before the request is
+  read, so that it holds its descriptor for no longer than that.
+
 Time spent while the server itself has paused reading (flow control, pipelining) does
 not count against the client. Every refusal is an OpenAI error envelope.
 """
@@ -26,6 +30,8 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import logging
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar, Literal
@@ -36,6 +42,9 @@ from prefixgate.envflags import add_env_flag
 from prefixgate.wire import error_body
 
 Phase = Literal["head", "body"]
+
+log = logging.getLogger("prefixgate.http")
+_OVERLOAD_LOG_EVERY_S = 10.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,12 +59,16 @@ class HttpLimits:
     body_timeout_s: float = 60.0
     """From the end of the head to the end of the body: the gateway's 16 MiB body limit
     at 280 KiB/s."""
+    max_connections: int | None = None
+    """Client connections open at once (None: no cap); set from the open-file limit."""
 
     def __post_init__(self) -> None:
         if min(self.max_header_bytes, self.max_headers) < 1:
             raise ValueError("max_header_bytes and max_headers must be positive")
         if min(self.header_timeout_s, self.body_timeout_s) <= 0:
             raise ValueError("header_timeout_s and body_timeout_s must be positive")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections must be positive")
 
 
 class _Refused(Exception):
@@ -67,6 +80,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     connection)."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
+    # Connections refused for the cap since the last warning, and when that was (per
+    # server process: one warning per episode, not one per connection).
+    _refused_unlogged: ClassVar[int] = 0
+    _refused_logged_at: ClassVar[float] = float("-inf")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -75,11 +92,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_lines = 0
         self._deadline: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str] | None = None
+        self._over_cap = False  # beyond max_connections: answered 503 once its request comes
 
     # ------------------------------------------------------------------ transport events
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        cap = self.limits.max_connections
+        self._over_cap = cap is not None and len(self.connections) > cap
         self._arm("head")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -87,6 +107,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._over_cap:
+            self._refuse_over_cap()
+            return
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -158,6 +181,28 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         what = "headers" if phase == "head" else "body"
         self._refuse(408, f"The request's {what} did not arrive within {timeout:g} s.")
 
+    def _refuse_over_cap(self) -> None:
+        """Answer 503 once the request's first bytes are read (closing with them unread
+        would reset the connection under the answer) and close."""
+        if self.transport.is_closing():
+            return
+        cap = self.limits.max_connections
+        cls = GuardedHttpToolsProtocol
+        cls._refused_unlogged += 1
+        now = time.monotonic()
+        if now - cls._refused_logged_at >= _OVERLOAD_LOG_EVERY_S:
+            log.warning(
+                "%d connection(s) refused: %d client connections are open, this server's"
+                " cap for its open-file limit (prefixgate/open_files.py)",
+                cls._refused_unlogged,
+                cap,
+            )
+            cls._refused_unlogged, cls._refused_logged_at = 0, now
+        message = "The server holds as many connections as it can; retry shortly."
+        self._disarm()
+        self.transport.write(_error_response(503, message, type="server_error", retry_after_s=1))
+        self.transport.close()
+
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` (unless the app has begun answering) and close."""
         if self.transport.is_closing():
@@ -176,12 +221,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def _error_response(status: int, message: str) -> bytes:
-    body = json.dumps(error_body(message, code=HTTPStatus(status).phrase.lower().replace(" ", "_")))
+def _error_response(
+    status: int, message: str, *, type: str = "invalid_request_error", retry_after_s: int = 0
+) -> bytes:
+    code = HTTPStatus(status).phrase.lower().replace(" ", "_")
+    body = json.dumps(error_body(message, type=type, code=code))
+    retry = f"retry-after: {retry_after_s}\r\n" if retry_after_s else ""
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
+        f"{retry}"
         "connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body.encode()
@@ -221,5 +271,11 @@ def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
-    return HttpLimits(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
+def http_limits_from_args(
+    args: argparse.Namespace, max_connections: int | None = None
+) -> HttpLimits:
+    return HttpLimits(
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=max_connections,
+    )

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from prefixgate.envflags import add_env_flag
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
+from prefixgate.open_files import prepare_open_files
 from replica.chat_flags import add_chat_flags, apply_chat_template_flag
 from replica.eviction import POLICY_NAMES
 from replica.sim.setup import SIM_MODEL, add_sim_flags, build_sim
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print("prefixgate replica: --host-cache-mb must be >= 0", file=sys.stderr)
         return 2
     try:
-        limits = http_limits_from_args(args)
+        open_files = prepare_open_files(fds_per_connection=1)
+        limits = http_limits_from_args(args, open_files.max_connections)
         guard = GuardConfig(max_body_bytes=int(args.max_body_mb * 1024 * 1024))
     except ValueError as exc:
         print(f"prefixgate replica: {exc}", file=sys.stderr)
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    log.info(open_files.describe())
     # Imported here: they take time `prefixgate --help` should not pay for.
     import uvicorn
 

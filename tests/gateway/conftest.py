@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +30,22 @@ class Server:
 
 
 def start(
-    args: Sequence[str], port: int, workdir: Path, name: str, health: str = "/health"
+    args: Sequence[str],
+    port: int,
+    workdir: Path,
+    name: str,
+    health: str = "/health",
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Server:
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            [sys.executable, *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
         )
     url = f"http://127.0.0.1:{port}"
     try:

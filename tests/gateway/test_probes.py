@@ -13,7 +13,7 @@ def test_an_unparsable_address_fails_its_probe_and_nothing_else() -> None:
     """httpx raises InvalidURL (no HTTPError) for ``http://[::1``: it escaped the probe,
     failed the whole round's gather, and no replica's probe result was recorded again."""
 
-    async def scenario() -> list[bool]:
+    async def scenario() -> list[bool | None]:
         async with httpx.AsyncClient() as client:
             return list(
                 await asyncio.gather(
