@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -28,6 +29,37 @@ from replica.eviction import POLICY_NAMES
 from replica.sim.setup import SIM_MODEL, add_sim_flags, build_sim
 
 log = logging.getLogger("prefixgate.replica")
+
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def default_advertise_url(host: str, port: int, redis_url: str | None) -> str:
+    """The URL gateways are told to call when ``--advertise-url`` is not given: the bound
+    address (bracketed when IPv6). A wildcard bind (0.0.0.0, ::) is no address another
+    host can call (a gateway elsewhere would call itself), so it advertises this host's
+    address on its route to Redis, which the gateways reach too: 127.0.0.1 when Redis is
+    local. Routes are looked up with an unconnected-to UDP socket: no packet is sent."""
+    if host in _WILDCARDS:
+        host = _address_towards(urlsplit(redis_url).hostname if redis_url else None)
+        log.info(
+            "--host is a wildcard: advertising %s to gateways (set --advertise-url if they"
+            " reach this replica at another address)",
+            host,
+        )
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _address_towards(peer: str | None) -> str:
+    """This host's source address for packets to ``peer`` (127.0.0.1 if none)."""
+    if not peer:
+        return "127.0.0.1"
+    try:
+        family, _, _, _, address = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError:  # unresolvable, or no route: the best guess left
+        return "127.0.0.1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(p, "ttl-s", type=float, help="drop unpinned cached blocks idle this long")
     add_env_flag(p, "redis-url", help="publish registry, load and block events to this Redis")
     add_env_flag(p, "replica-id", help="id in Redis (default: host:port of --advertise-url)")
-    add_env_flag(p, "advertise-url", help="URL gateways should call (default http://host:port)")
+    add_env_flag(
+        p,
+        "advertise-url",
+        help="URL gateways should call (default http://host:port; for a wildcard host, this"
+        " host's address on its route to Redis)",
+    )
     add_env_flag(p, "heartbeat-s", type=float, default=1.0, help="registry heartbeat interval")
     add_env_flag(
         p,
@@ -128,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from replica.state import Replica
     from router.protocol import redacted_url
 
-    advertise_url = args.advertise_url or f"http://{args.host}:{args.port}"
+    advertise_url = args.advertise_url or default_advertise_url(
+        args.host, args.port, args.redis_url
+    )
     replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"
 
     served_name = args.served_model_name or args.model
