@@ -150,6 +150,11 @@ def test_gateway_scales_out_behind_a_service() -> None:
     assert container["resources"]["requests"]["cpu"]  # utilization targets need a request
     labels = gateway["spec"]["template"]["metadata"]["labels"]
     assert any(s["spec"].get("selector", {}).items() <= labels.items() for s in by_kind("Service"))
+    # Scale-in and rolling updates: it keeps accepting until the Service stops sending
+    # clients to it, then finishes its streams within the grace period.
+    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep" and 0 < int(pause[1])
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(pause[1])
 
 
 def test_workloads_read_settings_from_the_configmap_that_exists() -> None:
