@@ -153,7 +153,7 @@ def test_gateway_scales_out_behind_a_service() -> None:
     # Scale-in and rolling updates: it keeps accepting until the Service stops sending
     # clients to it, then finishes its streams within the grace period.
     pause = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pause[0] == "sleep" and 0 < int(pause[1])
+    assert pause[0] == "sleep" and int(pause[1]) > 0
     assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(pause[1])
 
 
