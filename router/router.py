@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from operator import attrgetter, itemgetter
@@ -32,7 +32,14 @@ from router.health import CircuitBreaker
 from router.index import PrefixIndex
 from router.load import InFlight, LoadTracker
 from router.policies import Candidate, RouteInput, make_policy
-from router.protocol import SHORT_KEY_BYTES, BlockEvent, ReplicaLoad, RoutedHint, Snapshot
+from router.protocol import (
+    SHORT_KEY_BYTES,
+    BlockEvent,
+    Medium,
+    ReplicaLoad,
+    RoutedHint,
+    Snapshot,
+)
 from router.ring import Ring
 
 # Called with each decision's replica and the prompt's keys past its matched depth: the
@@ -482,23 +489,37 @@ class Router:
 
     def apply_snapshot(self, replica_id: str, snapshot: Snapshot) -> None:
         """Replace the replica's view with its snapshot (as of event ``snapshot.seq``)."""
-        view = self._replicas.get(replica_id)
-        if view is None:
-            return
-        self.index.clear(replica_id)
-        # One insert per run of blocks in one tier (not one per block: a snapshot can
-        # hold a million). The blocks come parents first; an insert makes its first key
-        # the newest, so runs go in last first and parents end up newer than their
-        # children across tiers too, as the index keeps them (router/index.py).
         runs = [
             (medium, [block.key for block in run])
             for medium, run in groupby(snapshot.blocks, key=attrgetter("medium"))
         ]
-        for medium, keys in reversed(runs):
+        for _ in self.snapshot_steps(replica_id, snapshot.seq, reversed(runs)):
+            pass
+
+    def snapshot_steps(
+        self, replica_id: str, seq: int, runs: Iterable[tuple[Medium, Sequence[bytes]]]
+    ) -> Iterator[None]:
+        """Replace the replica's view with a snapshot as of event ``seq``, given as runs of
+        blocks in one tier, last run first (``router.protocol.snapshot_runs``), yielding
+        after each run: a caller on an event loop lets it run between them (a million
+        blocks take seconds). Meanwhile the view holds the runs inserted so far, and a
+        replica removed meanwhile ends it.
+
+        Last run first: an insert makes its first key the newest, so parents end up newer
+        than their children across runs and tiers, as the index keeps them
+        (router/index.py)."""
+        view = self._replicas.get(replica_id)
+        if view is None:
+            return
+        self.index.clear(replica_id)
+        for medium, keys in runs:
+            yield
+            if self._replicas.get(replica_id) is not view:
+                return
             self.index.insert(replica_id, keys, medium=medium)
-        if view.cleared_seq is not None and snapshot.seq < view.cleared_seq:
+        if view.cleared_seq is not None and seq < view.cleared_seq:
             view.cleared_seq = None  # an older replica, restarted, numbered its events from 1 again
-        view.last_seq = snapshot.seq
+        view.last_seq = seq
         view.publishes_events = True
 
     def reset_replica_view(self, replica_id: str) -> None:

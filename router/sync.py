@@ -38,13 +38,13 @@ from router.protocol import (
     BlockEvent,
     ReplicaInfo,
     RoutedHint,
-    Snapshot,
+    SnapshotRuns,
     as_text,
-    decode_snapshot,
     event_seq,
     events_stream_key,
     replica_info_key,
     snapshot_key,
+    snapshot_runs,
 )
 from router.router import Router
 
@@ -275,15 +275,19 @@ class RedisSync:
     async def _resync(self, replica_id: str) -> None:
         """Rebuild the replica's view from its snapshot and the stream's events after it.
 
-        The snapshot and the stream's newest events are read in one transaction, and
-        applied together with no await between: a snapshot is older than the stream, so
-        applied alone it would stand for a moment in place of newer events already
-        folded in (after a prefix cache reset: the cleared blocks back, ``last_seq``
-        behind the reset's seq). The stream is read back from its end only as far as
-        the snapshot's seq (older pages, which no writer changes, after the
-        transaction): a capped stream holds 10,000 events or more (100,000 before,
-        whose parsing alone took seconds of the event loop), while a snapshot is at
-        most a few seconds and a few hundred events old."""
+        The snapshot and the stream's newest events are read in one transaction. The
+        stream is read back from its end only as far as the snapshot's seq (older pages,
+        which no writer changes, after the transaction): a capped stream holds 10,000
+        events or more (100,000 before, whose parsing alone took seconds of the event
+        loop), while a snapshot is at most a few seconds and a few hundred events old.
+
+        The snapshot goes in a run of blocks at a time (``Router.snapshot_steps``), the
+        loop serving others between runs: in one go, a 250,000-block snapshot (a host
+        tier's) held every token stream of the gateway for 0.7 s. Meanwhile the view
+        holds part of the snapshot, and routing may miss some of the replica's blocks.
+        The events after it go in with the last run: nothing else folds events in (this
+        task does), and no route sees the snapshot's older state whole in place of them
+        (after a prefix cache reset: the cleared blocks back)."""
         client = self._require_client()
         stream = events_stream_key(replica_id)
         pipe = client.pipeline(transaction=True)
@@ -293,7 +297,7 @@ class RedisSync:
         snapshot = None
         if raw is not None:
             try:
-                snapshot = decode_snapshot(raw)
+                snapshot = snapshot_runs(raw)
             except ValueError as exc:
                 self._skip(replica_id, "snapshot", exc)
         entries = list(page)  # newest first
@@ -303,7 +307,8 @@ class RedisSync:
             entries += page
         entries.reverse()
         if snapshot is not None:
-            self.router.apply_snapshot(replica_id, snapshot)
+            for _ in self.router.snapshot_steps(replica_id, snapshot.seq, snapshot.runs):
+                await asyncio.sleep(0)  # the loop serves others between runs
             self._without_snapshot.discard(replica_id)
         else:
             self.router.reset_replica_view(replica_id)
@@ -411,7 +416,7 @@ class RedisSync:
         return self._client
 
 
-def _at_or_before(entry: tuple[Any, Any], snapshot: Snapshot | None) -> bool:
+def _at_or_before(entry: tuple[Any, Any], snapshot: SnapshotRuns | None) -> bool:
     """Whether a stream entry is one the snapshot already holds (by its seq; never
     without a snapshot, or for an entry whose seq is unreadable)."""
     if snapshot is None:

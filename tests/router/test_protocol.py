@@ -16,6 +16,8 @@ import hashlib
 import json
 import math
 import struct
+from itertools import groupby
+from operator import attrgetter
 
 import pytest
 from hypothesis import given
@@ -26,6 +28,7 @@ from router.protocol import (
     MAX_LOAD_COUNT,
     BlockEvent,
     KeySpace,
+    Medium,
     ReplicaInfo,
     ReplicaLoad,
     RoutedHint,
@@ -39,6 +42,7 @@ from router.protocol import (
     redacted_url,
     root_key,
     short_key,
+    snapshot_runs,
 )
 
 # (model, block size, salt, tokens) -> (root hex, [block key hex, ...])
@@ -210,10 +214,40 @@ def test_snapshot_round_trip(seq: int, blocks: list[tuple[bytes | None, bytes]])
 
 
 def test_snapshot_rejects_garbage() -> None:
-    with pytest.raises(ValueError, match="not a prefixgate snapshot"):
-        decode_snapshot(b"XXXX" + bytes(8))
-    with pytest.raises(ValueError, match="truncated"):
-        decode_snapshot(encode_snapshot(1, [SnapshotBlock(None, bytes(16))])[:-1])
+    one = encode_snapshot(1, [SnapshotBlock(None, bytes(16))])
+    for decode in (decode_snapshot, snapshot_runs):
+        with pytest.raises(ValueError, match="not a prefixgate snapshot"):
+            decode(b"XXXX" + bytes(8))
+        with pytest.raises(ValueError, match="truncated"):
+            decode(one[:-1])
+        with pytest.raises(ValueError, match="flag 4"):  # checked before any run is read
+            decode(one[:12] + b"\x04" + one[13:])
+
+
+@given(
+    blocks=st.lists(
+        st.tuples(st.none() | short_keys, short_keys, st.sampled_from(["device", "host"])),
+        max_size=40,
+    ),
+    step=st.integers(1, 9),
+)
+def test_snapshot_runs_are_the_snapshots_tier_runs_last_first_in_steps(
+    blocks: list[tuple[bytes | None, bytes, Medium]], step: int
+) -> None:
+    """What the router inserts: each run of one tier, last run first, cut from its end
+    into pieces of at most ``step`` keys, each in snapshot order."""
+    raw = encode_snapshot(7, blocks)
+    runs = [
+        (medium, [b.key for b in run])
+        for medium, run in groupby(decode_snapshot(raw).blocks, key=attrgetter("medium"))
+    ]
+    expected = [
+        (medium, keys[max(0, end - step) : end])
+        for medium, keys in reversed(runs)
+        for end in range(len(keys), 0, -step)
+    ]
+    read = snapshot_runs(raw, step)
+    assert read.seq == 7 and list(read.runs) == expected
 
 
 @given(
@@ -283,6 +317,8 @@ def test_any_bytes_decode_or_raise_value_error(raw: bytes) -> None:
     for decode in (ReplicaInfo.decode, RoutedHint.decode, decode_snapshot):
         with contextlib.suppress(ValueError):  # any other exception fails the test
             decode(raw)
+    with contextlib.suppress(ValueError):
+        list(snapshot_runs(raw, 3).runs)
 
 
 @given(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +13,7 @@ import redis.asyncio as aioredis
 from router.protocol import (
     REPLICAS_SET,
     ROUTED_CHANNEL,
+    SNAPSHOT_STEP,
     BlockEvent,
     KeySpace,
     ReplicaInfo,
@@ -380,3 +382,72 @@ async def test_a_replica_key_of_another_type_stops_following_that_replica_only(
         router.check_invariants()
     finally:
         await sync.aclose()
+
+
+async def test_a_large_snapshot_goes_in_a_run_at_a_time_with_the_loop_serving_between(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    """A 250,000-block snapshot (a host tier's) held the gateway's event loop for 0.7 s in
+    one go: every token stream stalled. Runs of ``SNAPSHOT_STEP`` blocks go in with the
+    loop free between them, so a task running meanwhile sees the view part-built; the
+    events after the snapshot go in with the last run."""
+    blocks = 5 * SNAPSHOT_STEP + 123
+    keys = [i.to_bytes(16, "little") for i in range(blocks)]
+    snapshot = [SnapshotBlock(None if i % 50 == 0 else keys[i - 1], k) for i, k in enumerate(keys)]
+    await client.set(snapshot_key("r0"), encode_snapshot(10, snapshot))
+    after = bytes(range(16))
+    await publish(client, "r0", BlockEvent(11, "stored", (after,)))
+    await register(client, "r0")
+    router = Router()
+    router.add_replica("r0", "http://r0", "m", 16, static=True)
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    sync._client = aioredis.from_url(redis_server.url)  # one rebuild, no follow loop
+    seen: list[tuple[int, bool]] = []
+
+    async def watch() -> None:
+        while True:
+            seen.append((router.index.blocks("r0"), router.index.holds("r0", after)))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await sync._resync("r0")
+    finally:
+        watcher.cancel()
+        await sync._client.aclose()
+    partial = [n for n, _ in seen if 0 < n < blocks]
+    assert len(partial) >= 4, seen[-3:]  # the loop ran between the runs
+    assert not any(held for _, held in seen)  # the later event came with the last run
+    assert router.index.blocks("r0") == blocks + 1 and router.replicas["r0"].last_seq == 11
+    assert router.index.match(keys[:50]) == {"r0": 50}
+    router.check_invariants()
+
+
+async def test_a_replica_removed_during_its_rebuild_is_not_brought_back(
+    redis_server: RedisServer, client: aioredis.Redis
+) -> None:
+    keys = [i.to_bytes(16, "little") for i in range(3 * SNAPSHOT_STEP)]
+    await client.set(snapshot_key("r0"), encode_snapshot(5, [SnapshotBlock(None, k) for k in keys]))
+    await register(client, "r0")
+    router = Router()
+    router.add_replica("r0", "http://r0", "m", 16, static=True)
+    sync = RedisSync(router, redis_server.url, poll_interval_s=POLL)
+    sync._client = aioredis.from_url(redis_server.url)
+
+    removed_at: list[int] = []
+
+    async def remove_once_begun() -> None:
+        while router.index.blocks("r0") == 0:
+            await asyncio.sleep(0)
+        removed_at.append(router.index.blocks("r0"))
+        router.remove_replica("r0")
+
+    remover = asyncio.create_task(remove_once_begun())
+    try:
+        await sync._resync("r0")
+        await remover
+    finally:
+        await sync._client.aclose()
+    assert 0 < removed_at[0] < len(keys)  # removed part-way through
+    assert "r0" not in router.replicas and "r0" not in router.index.replica_ids
+    router.check_invariants()
