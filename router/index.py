@@ -27,6 +27,13 @@ few blocks per insert, never as a walk over the tree.
 Optimistic (tentative) inserts sit in a per-replica dict ``key -> deadline`` in
 deadline order until an event confirms them or ``expire`` drops them.
 
+Clearing a replica (a prefix cache reset, a rebuild from its snapshot, its removal) is
+O(1): it gets a fresh slot, and its old slot is *retired*: left out of the held bits, so
+nothing reads its fields, and cleared from the node words ``SCRUB_STEP`` blocks at a time
+(``scrub``: by each insert, as many as it adds, and by ``Router.sweep``), then freed.
+Cleared at once, a million blocks held the gateway's event loop for a second. Until
+then a node held only by retired slots stays in the map (``len`` counts it).
+
 Tiers: a replica with a host-memory KV tier reports where each block lives (the event's
 ``medium``). The index keeps, per replica, the set of its keys held on the host (an
 untracked ``key -> None`` dict, empty for replicas without the tier); every other held
@@ -42,13 +49,14 @@ operations per block of an eager insert is a cache miss; the overlay is small an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, repeat, takewhile
 from operator import or_, truth
 from typing import NamedTuple
 
-from router.lru import FIELD_BITS, BlockLRU
+from router.lru import FIELD, FIELD_BITS, BlockLRU
 from router.protocol import Medium
 
 
@@ -58,6 +66,11 @@ class _ReplicaBlocks:
     lru: BlockLRU
     tentative: dict[bytes, float] = field(default_factory=dict)  # untracked: bytes -> float
     host: dict[bytes, None] = field(default_factory=dict)  # held on the host tier (untracked)
+
+
+_DONE = object()
+_RETIRED = "\x00retired"  # the owner of a retired slot (no replica id is this)
+SCRUB_STEP = 2048  # retired holdings cleared per ``scrub`` step (~1-2 ms)
 
 
 class _Pending(NamedTuple):
@@ -75,20 +88,26 @@ class PrefixIndex:
         "_pending",
         "_recent",
         "_replicas",
+        "_retired",
+        "_scrub_step",
         "_slot_owner",
         "_words",
         "max_blocks_per_replica",
     )
 
-    def __init__(self, max_blocks_per_replica: int = 1_000_000) -> None:
-        if max_blocks_per_replica < 1:
-            raise ValueError("max_blocks_per_replica must be positive")
+    def __init__(
+        self, max_blocks_per_replica: int = 1_000_000, scrub_step: int = SCRUB_STEP
+    ) -> None:
+        if max_blocks_per_replica < 1 or scrub_step < 1:
+            raise ValueError("max_blocks_per_replica and scrub_step must be positive")
         self.max_blocks_per_replica = max_blocks_per_replica
+        self._scrub_step = scrub_step
         self._nodes: dict[bytes, int] = {}  # key -> word (module doc)
         self._words: dict[int, int] = {}  # interned words (router/lru.py writes both)
         self._held_bits = 0  # the held bit of every slot ever allocated
         self._replicas: dict[str, _ReplicaBlocks] = {}
         self._slot_owner: list[str | None] = []  # slot -> replica id, None when free
+        self._retired: deque[tuple[int, Iterator[None]]] = deque()  # (slot, its clearing)
         # Deferred optimistic inserts (``insert_later``), oldest first, and the overlay
         # ``key -> bits`` that makes them visible to ``lookup`` until ``fold`` applies them.
         self._pending: list[_Pending] = []
@@ -112,13 +131,34 @@ class PrefixIndex:
         return blocks
 
     def drop_replica(self, replica_id: str) -> None:
-        """Remove every block of the replica and free its slot."""
+        """Remove every block of the replica; its slot is free once scrubbed."""
         self.fold()
-        if replica_id not in self._replicas:
+        blocks = self._replicas.pop(replica_id, None)
+        if blocks is not None:
+            self._retire(blocks)
+
+    def _retire(self, blocks: _ReplicaBlocks) -> None:
+        if not blocks.lru.held:  # nothing to scrub
+            blocks.lru.clear()
+            self._slot_owner[blocks.slot] = None
             return
-        self.clear(replica_id)
-        blocks = self._replicas.pop(replica_id)
-        self._slot_owner[blocks.slot] = None
+        self._slot_owner[blocks.slot] = _RETIRED
+        self._held_bits &= ~(1 << blocks.slot * FIELD_BITS)
+        self._retired.append((blocks.slot, blocks.lru.clearing(self._scrub_step)))
+        self.scrub()  # a step now: a small view is gone at once
+
+    def scrub(self, steps: int = 1) -> bool:
+        """Clear retired slots' holdings from the node words, up to ``steps`` steps of
+        ``scrub_step`` blocks (a slot done is free again); whether any work is left."""
+        retired = self._retired
+        while steps > 0 and retired:
+            steps -= 1
+            slot, clearing = retired[0]
+            if next(clearing, _DONE) is _DONE:
+                retired.popleft()
+                self._slot_owner[slot] = None
+                self._held_bits |= 1 << slot * FIELD_BITS  # (a free slot's bit is set)
+        return bool(retired)
 
     @property
     def replica_ids(self) -> list[str]:
@@ -142,6 +182,8 @@ class PrefixIndex:
         ``medium``: the tier they are in now (a key stored in the other tier moved).
         """
         self.fold()
+        if self._retired:  # paid as caused: retired blocks cleared at least as fast as added
+            self.scrub(steps=1 + len(keys) // self._scrub_step)
         self._insert_now(replica_id, keys, tentative_until)
         blocks = self._replicas[replica_id]
         host = blocks.host
@@ -217,14 +259,19 @@ class PrefixIndex:
                 blocks.host.pop(key, None)
 
     def clear(self, replica_id: str) -> None:
-        """The replica holds nothing (its slot stays)."""
+        """The replica holds nothing: at once, in a fresh slot (the old one is retired)."""
         self.fold()
         blocks = self._replicas.get(replica_id)
         if blocks is None:
             return
-        blocks.lru.clear()
-        blocks.tentative.clear()
-        blocks.host.clear()
+        if not blocks.lru.held:
+            blocks.lru.clear()  # (cheap: only its logs' bookkeeping)
+            blocks.tentative.clear()
+            blocks.host.clear()
+            return
+        del self._replicas[replica_id]
+        self._retire(blocks)
+        self._blocks_of(replica_id)
 
     def expire(self, replica_id: str, now: float) -> int:
         """Drop the replica's optimistic inserts whose deadline passed; returns how many."""
@@ -321,7 +368,8 @@ class PrefixIndex:
         return 0 if blocks is None else len(blocks.tentative)
 
     def __len__(self) -> int:
-        """Distinct blocks (nodes) in the index."""
+        """Distinct blocks (nodes) in the index, those only retired slots hold included
+        until they are scrubbed."""
         self.fold()
         return len(self._nodes)
 
@@ -339,9 +387,17 @@ class PrefixIndex:
             holdings += len(blocks.lru)
         live = sum(1 << b.slot * FIELD_BITS for b in self._replicas.values())
         assert not live & ~self._held_bits
+        retired = 0  # every field of the retired slots
+        for slot, _ in self._retired:
+            assert self._slot_owner[slot] == _RETIRED
+            retired |= FIELD << slot * FIELD_BITS
+        assert not retired & self._held_bits, "a retired slot's fields are read"
+        fields = retired | sum(FIELD << b.slot * FIELD_BITS for b in self._replicas.values())
         held = [word & self._held_bits for word in self._nodes.values()]
         assert sum(h.bit_count() for h in held) == holdings
-        assert all(h and not h & ~live for h in held), "a node nobody holds, or a free slot's"
+        for word, h in zip(self._nodes.values(), held, strict=True):
+            assert not word & ~fields, "a free slot's field in a node"
+            assert (h and not h & ~live) or word & retired, "a node nobody holds"
 
 
 def _record(depth_by_slot: dict[int, int], mask: int, depth: int) -> None:

@@ -232,11 +232,24 @@ class BlockLRU:
 
     def clear(self) -> None:
         """Forget every block (their node words lose this replica's field)."""
+        for _ in self.clearing(step=1 << 62):
+            pass
+
+    def clearing(self, step: int) -> Iterator[None]:
+        """``clear`` in steps, yielding after every ``step`` blocks. Nothing else may
+        change this LRU meanwhile (the index retires it first: router/index.py); other
+        replicas' fields of the same words may change, as each write keeps them."""
         keep = ~(FIELD << self.shift)
+        nodes, write = self.nodes, self._write
+        done = 0
         for gen in self.gens:
             for log in gen.logs:
                 for key in self._live(log):  # (a repeated key is not live the 2nd time)
-                    self._write(key, self.nodes[key] & keep)
+                    write(key, nodes[key] & keep)
+                    done += 1
+                    if done == step:
+                        done = 0
+                        yield
         self._reset()
 
     # ----------------------------------------------------------------------- internals

@@ -556,8 +556,10 @@ class Router:
         return None if view is None else view.last_seq
 
     def sweep(self) -> None:
-        """Background maintenance: drop optimistic inserts no event confirmed in time."""
+        """Background maintenance: drop optimistic inserts no event confirmed in time, and
+        clear some of the blocks of cleared views from the index (``PrefixIndex.scrub``)."""
         self.index.fold()
+        self.index.scrub(steps=4)
         now = self.clock()
         for view in self._replicas.values():
             if view.publishes_events:

@@ -36,6 +36,7 @@ ops = st.lists(
         st.tuples(st.just("remove"), st.sampled_from(REPLICAS), st.lists(st.sampled_from(KEYS))),
         st.tuples(st.just("clear"), st.sampled_from(REPLICAS), st.just([])),
         st.tuples(st.just("drop"), st.sampled_from(REPLICAS), st.just([])),
+        st.tuples(st.just("scrub"), st.sampled_from(REPLICAS), st.just([])),
     ),
     max_size=30,
 )
@@ -46,10 +47,12 @@ ops = st.lists(
 def test_match_equals_brute_force(
     ops: list[tuple[str, str, list[bytes]]], query: list[bytes]
 ) -> None:
-    index = PrefixIndex()
+    index = PrefixIndex(scrub_step=1)  # a cleared replica's old slot: scrubbed a block a step
     model: dict[str, set[bytes]] = {}
     for op, replica, keys in ops:
-        if op == "insert":
+        if op == "scrub":
+            index.scrub()
+        elif op == "insert":
             index.insert(replica, keys)
             model.setdefault(replica, set()).update(keys)
         elif op == "insert_later":  # deferred: matches must see it before any fold
@@ -67,6 +70,9 @@ def test_match_equals_brute_force(
             model.pop(replica, None)
         index.check_invariants()
         assert index.match(query) == brute_match(model, query)
+    while index.scrub(steps=100):
+        pass
+    index.check_invariants()
     assert len(index) == len(set().union(*model.values())) if model else len(index) == 0
 
 
@@ -262,4 +268,31 @@ def test_a_deferred_insert_bridges_a_gap_in_the_confirmed_blocks() -> None:
     assert index.match(keys) == {"a": 40, "b": 40}
     index.remove("a", keys[30:31])  # folds the overlay first, then a loses key 30
     assert index.match(keys) == {"a": 30, "b": 40}
+    index.check_invariants()
+
+
+def test_clearing_a_view_is_immediate_and_its_blocks_are_scrubbed_as_others_are_added() -> None:
+    """Cleared at once, a million-block view held the gateway's event loop for a second
+    (a prefix cache reset, a rebuild from a snapshot). The view is empty at once; its old
+    slot is retired (never reused while its fields are set) and cleared by later inserts,
+    at least as many blocks as they add, and by ``scrub``."""
+    index = PrefixIndex(scrub_step=100)
+    old = [i.to_bytes(16, "little") for i in range(5_000)]
+    index.insert("a", old)
+    index.insert("b", old[:10])
+    index.clear("a")
+    assert index.match(old) == {"b": 10} and index.blocks("a") == 0
+    assert len(index) > 4_000  # nodes only the retired slot holds: still in the map
+    index.insert("c", [b"\xff" * 16])  # a new replica: not the retired slot
+    index.check_invariants()
+    new = [(i + 10_000).to_bytes(16, "little") for i in range(5_000)]
+    index.insert("a", new)  # adds 5,000: clears at least as many retired ones
+    assert not index.scrub()  # nothing left to clear
+    assert len(index) == 10 + 5_000 + 1
+    assert index.match(new) == {"a": 5_000} and index.match(old) == {"b": 10}
+    index.check_invariants()
+    index.drop_replica("a")  # large: retired too, then freed by scrubbing
+    while index.scrub():
+        pass
+    assert len(index) == 11 and index.replica_ids == ["b", "c"]
     index.check_invariants()
