@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long in-flight requests may finish",
     )
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body (413)")
+    add_env_flag(
+        p,
+        "response-store-mb",
+        type=float,
+        default=1024.0,
+        help="memory for stored Responses API conversations (least recently used dropped)",
+    )
     add_http_limit_flags(p)
     add_chat_flags(p)
     add_sim_flags(p)
@@ -142,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_cache_mb < 0:
         print("prefixgate replica: --host-cache-mb must be >= 0", file=sys.stderr)
         return 2
+    if args.response_store_mb <= 0:
+        print("prefixgate replica: --response-store-mb must be positive", file=sys.stderr)
+        return 2
     try:
         open_files = prepare_open_files(fds_per_connection=1)
         limits = http_limits_from_args(args, open_files.max_connections)
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from replica.engine import Engine, EngineConfig
     from replica.metrics import ReplicaMetrics
     from replica.publisher import Publisher, PublisherConfig
+    from replica.response_store import ResponseStore
     from replica.server import create_app
     from replica.state import Replica
     from router.protocol import redacted_url
@@ -240,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         publisher,
         chats=SegmentCache(loaded.tokenizer),
         tool_call_parser=args.tool_call_parser,
+        responses=ResponseStore(max_bytes=int(args.response_store_mb * 1024 * 1024)),
     )
     app = Guard(create_app(replica), guard)
     config = uvicorn.Config(

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import redis
 
 from prefixgate.procs import free_port, stop_process, wait_http_ok
 from tests.conftest import RedisServer
-from tests.replica.conftest import REPO
+from tests.replica.conftest import REPO, start_replica
 
 SYSTEM = (
     "You are a careful assistant for a test suite. Answer in one short sentence, never "
@@ -80,3 +81,29 @@ def test_a_sim_replica_serves_caches_publishes_and_never_imports_torch(
         code = stop_process(proc)
     assert code == 0, log_path.read_text()[-3000:]
     assert json.loads(report.read_text()) == {"torch": False, "transformers": False}
+
+
+def test_stored_responses_are_held_within_the_replicas_memory_bound(tmp_path: Path) -> None:
+    """``--response-store-mb``: the Responses API stores by default, and each stored turn
+    holds its whole conversation; past the bound the least recently used go (404), the
+    newest chain stays usable."""
+    replica = start_replica(
+        tmp_path, "--model", "sim", "--num-blocks", "4096", "--response-store-mb", "0.2"
+    )
+    try:
+        client = openai.OpenAI(base_url=replica.url + "/v1", api_key="unused", max_retries=0)
+        document = "word " * 18_000  # 90 KB: two fit in 0.2 MiB, three do not
+        ids = [
+            client.responses.create(model="sim", input=f"{i} {document}", max_output_tokens=4).id
+            for i in range(3)
+        ]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(ids[0])
+        assert client.responses.retrieve(ids[2]).id == ids[2]
+        follow = client.responses.create(
+            model="sim", input="and then?", previous_response_id=ids[2], max_output_tokens=4
+        )
+        assert follow.usage is not None and follow.usage.input_tokens > 18_000
+    finally:
+        code = stop_process(replica.proc)
+    assert code == 0, replica.log_tail()
