@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer as HFTokenizer
 
 from prefixgate.chat_input import ChatInput
+from prefixgate.tokenizer import encode_ids
 
 # Pre-tokenizer or normalizer settings under which a piece's ids depend on its position.
 POSITION_DEPENDENT = ('"Metaspace"', '"Prepend"', '"prepend_scheme"')
@@ -167,8 +168,7 @@ class SegmentCache:
             return sum(len(p) for p in pieces if p not in self._cache)
 
     def _whole(self, text: str) -> list[int]:
-        ids: list[int] = self.inner.tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+        return encode_ids(self.inner.tokenizer, text, add_special_tokens=False)
 
     def _by_pieces(self, splitter: PieceSplitter, text: str) -> list[int]:
         ids: list[int] = []
@@ -187,6 +187,8 @@ class SegmentCache:
                 self.hits += 1
                 return cached
         ids = self._whole(text)
+        if len(text) > self._max_chars // 16:
+            return ids  # a document-sized piece would evict the prompts that do repeat
         with self._lock:
             if text not in self._cache:  # another thread may have encoded it meanwhile
                 self._cache[text] = ids

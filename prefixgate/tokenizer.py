@@ -29,6 +29,21 @@ from prefixgate.models import ensure_tokenizer_dir
 from prefixgate.wire import OpenAIError
 
 # The named special tokens transformers hands to every chat template.
+# A text longer than this is encoded through ``encode_batch``, which releases the GIL.
+GIL_FREE_CHARS = 4096
+
+
+def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode(text).ids``, with the GIL released for a long text. ``encode``
+    holds it throughout, so an event loop whose worker thread encoded 1 MiB of text
+    waited as long (~1 s); ``encode_batch`` of the one text gives the same ids."""
+    if len(text) <= GIL_FREE_CHARS:
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    else:
+        ids = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return ids
+
+
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
     "eos_token",
@@ -218,8 +233,7 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of plain text, with whatever the tokenizer adds for plain text (as
         transformers' ``tokenizer(text).input_ids``)."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True).ids
-        return ids
+        return encode_ids(self.tokenizer, text, add_special_tokens=True)
 
     def render(self, chat: ChatInput) -> str:
         """The prompt text of a chat, rendered as transformers renders it."""
@@ -252,8 +266,11 @@ class ChatTokenizer:
 
     def encode_input(self, chat: ChatInput) -> list[int]:
         """Ids of a chat; the template writes its own special tokens, so none are added."""
-        ids: list[int] = self.tokenizer.encode(self.render(chat), add_special_tokens=False).ids
-        return ids
+        return self.encode_rendered(self.render(chat))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """``encode_input``'s second half: the ids of a rendered chat."""
+        return encode_ids(self.tokenizer, text, add_special_tokens=False)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -28,7 +28,7 @@ from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, parse_request
 from prefixgate.wire_responses import ResponsesRequest, chat_body, input_messages
 from replica.handle import RequestHandle
-from replica.jobs import Job, JobClock, job_from_chat
+from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
 from replica.request import RequestOutput
 from replica.respond import _cancel_unfinished, _collect, _engine_error, _observe, _submit
 from replica.state import Replica
@@ -144,14 +144,18 @@ def function_item(call: ParsedCall, arguments: str | None = None) -> dict[str, A
 
 
 async def create(request: Request, replica: Replica) -> Response:
-    req = parse_request(ResponsesRequest, load_json_body(await request.body()))
+    raw = await request.body()
+    req = await off_loop_if_large(
+        len(raw), lambda: parse_request(ResponsesRequest, load_json_body(raw))
+    )
     history: list[dict[str, Any]] = []
+    size = len(raw)  # what rendering and encoding will cost: the request and its history
     if req.previous_response_id is not None:
-        previous = replica.responses.get(req.previous_response_id)
+        previous = replica.responses.get(req.previous_response_id)  # (the store is the loop's)
         if previous is None:
             raise not_found(req.previous_response_id, "previous_response_id")
-        history = previous.messages
-    job = job_from_chat(chat_body(req, history), replica)
+        history, size = previous.messages, size + previous.size
+    job = await off_loop_if_large(size, lambda: job_from_chat(chat_body(req, history), replica))
     turn = Turn(req, job, history)
     handle = _submit(job, replica)
     if req.stream:

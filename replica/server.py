@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
-from replica.jobs import job_from_chat, job_from_completion
+from replica.jobs import job_from_chat, job_from_completion, off_loop_if_large
 from replica.respond import run_job
 from replica.responses import add_response_routes
 from replica.state import Replica
@@ -155,14 +155,16 @@ def create_app(replica: Replica) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await _json_body(request)
-        job = job_from_chat(body, replica)
+        raw = await request.body()
+        job = await off_loop_if_large(len(raw), lambda: job_from_chat(load_json_body(raw), replica))
         return await run_job(job, request, replica)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await _json_body(request)
-        job = job_from_completion(body, replica)
+        raw = await request.body()
+        job = await off_loop_if_large(
+            len(raw), lambda: job_from_completion(load_json_body(raw), replica)
+        )
         return await run_job(job, request, replica)
 
     add_response_routes(app, replica)
@@ -175,7 +177,3 @@ def _stop_serving(replica: Replica, exc: BaseException) -> None:
     log.critical("engine thread died (%s: %s); stopping the server", type(exc).__name__, exc)
     if replica.on_engine_death is not None:
         replica.on_engine_death()
-
-
-async def _json_body(request: Request) -> object:
-    return load_json_body(await request.body())

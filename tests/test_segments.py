@@ -87,13 +87,27 @@ def test_the_cache_stays_bounded(tokenizer: ChatTokenizer) -> None:
 def test_threads_sharing_a_small_cache_get_exact_ids(tokenizer: ChatTokenizer) -> None:
     # The gateway encodes long prompts in worker threads; the LRU must hold up when they
     # evict and refresh the same pieces at once.
-    cache = SegmentCache(tokenizer, max_pieces=4, max_chars=2_000)
+    cache = SegmentCache(tokenizer, max_pieces=4, max_chars=5_000)
     chats = [[{"role": "user", "content": f"topic {i % 7} " * 30}] for i in range(64)]
     expected = [tokenizer.encode_chat(chat) for chat in chats]
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         got = list(pool.map(cache.encode_chat, chats * 4))
     assert got == expected * 4
     assert len(cache._cache) <= 4 and cache._chars == sum(map(len, cache._cache))
+
+
+def test_a_document_sized_piece_is_encoded_exactly_and_not_cached(
+    tokenizer: ChatTokenizer,
+) -> None:
+    """Pieces over 1/16 of the cache would evict the tools and system prompts that do
+    repeat (a pasted document, a 512 KiB routing head)."""
+    cache = SegmentCache(tokenizer, max_pieces=64, max_chars=16_000)
+    system = {"role": "system", "content": "You are terse. " * 40}  # 600 chars: cached
+    cache.encode_chat([system, {"role": "user", "content": "hi"}])
+    before = dict(cache._cache)
+    document = [system, {"role": "user", "content": "a long document line\n" * 100}]
+    assert cache.encode_chat(document) == tokenizer.encode_chat(document)
+    assert cache._cache.keys() == before.keys()  # the 2,100-char piece was not kept
 
 
 def test_position_dependent_tokenizers_are_not_split() -> None:

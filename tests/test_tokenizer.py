@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from prefixgate.gguf_tokenizer import read_gguf_metadata
 from prefixgate.models import ensure_tokenizer_dir, smollm2_gguf_path
-from prefixgate.tokenizer import ChatTemplateError, ChatTokenizer
+from prefixgate.tokenizer import GIL_FREE_CHARS, ChatTemplateError, ChatTokenizer, encode_ids
 
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -176,3 +178,23 @@ def test_gateway_side_never_imports_torch() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, env=dict(os.environ)
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_long_texts_encode_the_same_with_the_gil_released(ours: ChatTokenizer) -> None:
+    """``encode`` holds the GIL for the whole text: a gateway or replica encoding a long
+    prompt in a worker thread stalled its event loop as long. Past ``GIL_FREE_CHARS`` the
+    text goes through ``encode_batch``, which lets other threads run, with the same ids."""
+    long_text = "".join(TEXTS) * 2_000 + " <|im_end|> tail"
+    assert len(long_text) > GIL_FREE_CHARS
+    for special in (True, False):
+        expected = ours.tokenizer.encode(long_text, add_special_tokens=special).ids
+        assert encode_ids(ours.tokenizer, long_text, add_special_tokens=special) == expected
+    big = "lorem ipsum dolor sit amet " * 40_000  # ~1 MB: several hundred ms of BPE
+    ticks = 0
+    worker = threading.Thread(target=encode_ids, args=(ours.tokenizer, big, False))
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.001)
+        ticks += 1
+    worker.join()
+    assert ticks >= 10, ticks  # the encoding thread held the GIL throughout: 1 tick before
