@@ -5,9 +5,10 @@ while it is read, and the memory it takes.
 
 Starts ``prefixgate up --model sim --replicas 1`` from the current directory's tree (run
 it from a ``git worktree`` to measure an older one). First, per size, one chat whose
-prompt is that many MiB of lorem ipsum (far over the sim profile's context of 131,072
-tokens) through the gateway alone, with the resident memory of the gateway and the
-replica before, at peak while it ran (sampled every 50 ms) and after. Then, per size,
+prompt is that many MiB of lorem ipsum (max_tokens 1; from 0.4 MiB on, over the sim
+profile's context of 131,072 tokens, so refused) through the gateway alone, with the
+resident memory of the gateway and the replica before, at peak while it ran (sampled
+every 50 ms) and after. Then, per size,
 against the replica and through the gateway: a streamed chat of 3,000 tokens runs, and
 1 s in, the same long chat is sent; reported are its status and time, and the stream's
 longest gap between chunks.
@@ -18,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,8 +28,7 @@ from typing import Any
 import httpx
 import openai
 
-from loadtest.cluster import Cluster, wait_ready
-from prefixgate.procs import free_port
+from loadtest.cluster import launch_up, wait_ready
 
 
 def lorem(mib: float) -> str:
@@ -61,7 +59,7 @@ async def _stall(client: openai.AsyncOpenAI, base_url: str, mib: float) -> dict[
 
     streaming = asyncio.create_task(stream())
     await asyncio.sleep(1.0)
-    body = {"model": "sim", "messages": [{"role": "user", "content": lorem(mib)}]}
+    body = {"model": "sim", "messages": [{"role": "user", "content": lorem(mib)}], "max_tokens": 1}
     async with httpx.AsyncClient(timeout=600) as http:
         started = time.perf_counter()
         answer = await http.post(f"{base_url}/chat/completions", json=body)
@@ -93,7 +91,7 @@ def memory(base_url: str, mib: float, pids: dict[str, int]) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    body = {"model": "sim", "messages": [{"role": "user", "content": lorem(mib)}]}
+    body = {"model": "sim", "messages": [{"role": "user", "content": lorem(mib)}], "max_tokens": 1}
     started = time.perf_counter()
     answer = httpx.post(f"{base_url}/chat/completions", json=body, timeout=600)
     took = time.perf_counter() - started
@@ -115,14 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir, port = Path(tmp), free_port()
-        cmd = [sys.executable, "-m", "prefixgate", "up", "--model", "sim", "--replicas", "1"]
-        cmd += ["--port", str(port), "--run-dir", str(run_dir)]
-        with open(run_dir / "up.log", "ab") as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        cluster = Cluster(proc, run_dir, f"http://127.0.0.1:{port}/v1")
+        cluster = launch_up(Path(tmp), "--model", "sim", "--replicas", "1")
         try:
             wait_ready(cluster, 120)
             (replica_url,) = cluster.replica_urls().values()

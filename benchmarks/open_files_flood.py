@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import json
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -29,8 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from loadtest.cluster import Cluster, wait_ready
-from prefixgate.procs import free_port
+from loadtest.cluster import launch_up, wait_ready
 
 
 async def stream_once(client: openai.AsyncOpenAI, i: int) -> str:
@@ -71,21 +68,16 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir, port = Path(tmp), free_port()
-        cmd = [sys.executable, "-m", "prefixgate", "up", "--model", "sim", "--replicas", "2"]
-        cmd += ["--port", str(port), "--run-dir", str(run_dir)]
-        with open(run_dir / "up.log", "ab") as log:
-            proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=limit
-            )
-        cluster = Cluster(proc, run_dir, f"http://127.0.0.1:{port}/v1")
+        run_dir = Path(tmp)
+        cluster = launch_up(run_dir, "--model", "sim", "--replicas", "2", preexec_fn=limit)
+        gateway = cluster.base_url.removesuffix("/v1")
         try:
             wait_ready(cluster, 120)
             for retries in args.retries:
                 started = time.perf_counter()
                 outcomes = asyncio.run(burst(cluster.base_url, args.clients, retries))
                 wall = time.perf_counter() - started
-                ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()
+                ready = httpx.get(f"{gateway}/ready", timeout=10).json()
                 row = {
                     "soft": args.soft,
                     "hard": args.hard,

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,7 +280,22 @@ def launch_cluster(
     return Cluster(spawn_logged(cmd, run_dir / "up.log"), run_dir, f"http://127.0.0.1:{port}/v1")
 
 
-def spawn_logged(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def launch_up(run_dir: Path, *args: str, preexec_fn: Callable[[], None] | None = None) -> Cluster:
+    """``prefixgate up ARGS`` on a free port with ``run_dir`` as its run directory
+    (returns at once; ``wait_ready`` waits for it). ``preexec_fn`` runs in the child
+    before it starts (a resource limit its children inherit, say)."""
+    port = free_port()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "ready").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "prefixgate", "up", *args]
+    cmd += ["--port", str(port), "--run-dir", str(run_dir)]
+    proc = spawn_logged(cmd, run_dir / "up.log", preexec_fn)
+    return Cluster(proc, run_dir, f"http://127.0.0.1:{port}/v1")
+
+
+def spawn_logged(
+    cmd: list[str], log_path: Path, preexec_fn: Callable[[], None] | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in a session of its own (a signal to the bench does not reach it;
     the bench stops it), its output appended to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,6 +306,7 @@ def spawn_logged(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=preexec_fn,
         )
 
 
