@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_cache_mb < 0:
         print("prefixgate replica: --host-cache-mb must be >= 0", file=sys.stderr)
         return 2
-    if args.response_store_mb <= 0:
-        print("prefixgate replica: --response-store-mb must be positive", file=sys.stderr)
+    if not 0 < args.response_store_mb < 1 << 40:  # (nan and inf fail too)
+        print("prefixgate replica: --response-store-mb must be a positive size", file=sys.stderr)
         return 2
     try:
         open_files = prepare_open_files(fds_per_connection=1)

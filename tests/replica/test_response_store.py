@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from replica.response_store import ResponseStore, text_size
 from tests.conftest import wait_until
 
@@ -64,3 +66,11 @@ def test_text_size_counts_strings_and_walks_deep_nesting() -> None:
     for _ in range(10_000):  # no recursion limit
         deep = [deep]
     assert text_size(deep) == 8 * 10_000
+
+
+def test_an_absurd_store_size_is_refused_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    from replica.cli import main
+
+    for size in ("0", "-1", "nan", "inf"):
+        assert main(["--model", "sim", "--response-store-mb", size]) == 2
+        assert "--response-store-mb must be a positive size" in capsys.readouterr().err
