@@ -16,6 +16,13 @@ protocol with these limits added:
 * a body not complete within ``body_timeout_s`` of the end of its head: 408 when nothing
   was answered yet, and the connection is closed (the app sees a disconnect).
 
+* an answer the client stops reading: once the server's write buffer has stayed full
+  for ``send_timeout_s`` (no byte taken by the client in that time), the connection is
+  dropped and the app sees a disconnect, as nginx's ``send_timeout`` does. Such a
+  client (a process stuck, or an SDK stream left unread) otherwise held its connection,
+  its replica's decode and the gateway's count of that replica's load until it went
+  away, which may be never.
+
 * a connection beyond ``max_connections`` open at once (the server's open-file budget,
   prefixgate/open_files.py): 503 with Retry-After, closed at once, before the request is
   read, so that it holds its descriptor for no longer than that.
@@ -28,9 +35,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
+import socket
+import struct
+import termios
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -45,6 +57,8 @@ Phase = Literal["head", "body"]
 
 log = logging.getLogger("prefixgate.http")
 _OVERLOAD_LOG_EVERY_S = 10.0
+# The ioctl for a socket's unsent byte count (Linux's SIOCOUTQ); None where there is none.
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,16 +73,35 @@ class HttpLimits:
     body_timeout_s: float = 60.0
     """From the end of the head to the end of the body: the gateway's 16 MiB body limit
     at 280 KiB/s."""
+    send_timeout_s: float = 60.0
+    """How long an answer may wait for the client to read any of it (the write buffer
+    full the whole time); a slow reader that takes some bytes now and then is not cut."""
     max_connections: int | None = None
     """Client connections open at once (None: no cap); set from the open-file limit."""
 
     def __post_init__(self) -> None:
         if min(self.max_header_bytes, self.max_headers) < 1:
             raise ValueError("max_header_bytes and max_headers must be positive")
-        if min(self.header_timeout_s, self.body_timeout_s) <= 0:
-            raise ValueError("header_timeout_s and body_timeout_s must be positive")
+        if min(self.header_timeout_s, self.body_timeout_s, self.send_timeout_s) <= 0:
+            raise ValueError("header_timeout_s, body_timeout_s and send_timeout_s must be positive")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections must be positive")
+
+
+class _Episodes:
+    """A warning logged at most once per ``_OVERLOAD_LOG_EVERY_S`` with the number of
+    occurrences since the last one (its format's first argument)."""
+
+    def __init__(self) -> None:
+        self.unlogged = 0
+        self.logged_at = float("-inf")
+
+    def note(self, message: str, *args: object) -> None:
+        self.unlogged += 1
+        now = time.monotonic()
+        if now - self.logged_at >= _OVERLOAD_LOG_EVERY_S:
+            log.warning(message, self.unlogged, *args)
+            self.unlogged, self.logged_at = 0, now
 
 
 class _Refused(Exception):
@@ -80,10 +113,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     connection)."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
-    # Connections refused for the cap since the last warning, and when that was (per
-    # server process: one warning per episode, not one per connection).
-    _refused_unlogged: ClassVar[int] = 0
-    _refused_logged_at: ClassVar[float] = float("-inf")
+    # One warning per episode per server process, not one per connection.
+    _over_cap_log: ClassVar[_Episodes] = _Episodes()
+    _stalled_log: ClassVar[_Episodes] = _Episodes()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -93,6 +125,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str] | None = None
         self._over_cap = False  # beyond max_connections: answered 503 once its request comes
+        self._send_stall: asyncio.TimerHandle | None = None  # armed while writing is paused
+        self._unsent = 0  # bytes in the write buffer when that timer was armed
 
     # ------------------------------------------------------------------ transport events
 
@@ -104,7 +138,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_stall is None:
+            self._arm_stall()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
 
     def data_received(self, data: bytes) -> None:
         if self._over_cap:
@@ -181,23 +225,60 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         what = "headers" if phase == "head" else "body"
         self._refuse(408, f"The request's {what} did not arrive within {timeout:g} s.")
 
+    def _arm_stall(self) -> None:
+        self._unsent = self._unsent_bytes()
+        self._send_stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+
+    def _unsent_bytes(self) -> int:
+        """Bytes written and not yet taken by the client: the transport's buffer and the
+        kernel's send queue. The buffer alone moves too seldom to tell a slow reader: the
+        kernel reports the socket writable only once half its queue (megabytes) is gone."""
+        unsent = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and _OUTQ is not None:
+            with contextlib.suppress(OSError, ValueError):
+                queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+                unsent += struct.unpack("i", queued)[0]
+        return unsent
+
+    def _unstall(self) -> None:
+        if self._send_stall is not None:
+            self._send_stall.cancel()
+            self._send_stall = None
+
+    def _stalled(self) -> None:
+        """The client has taken no byte for ``send_timeout_s``: drop the connection (a
+        close would wait for the buffer to drain, which it will not). uvicorn then tells
+        the app the client disconnected, and the app cancels its work."""
+        self._send_stall = None
+        if self.transport.is_closing():
+            return
+        if self._unsent_bytes() < self._unsent:
+            self._arm_stall()  # it took some: a slow reader, not a stalled one
+            return
+        self._stalled_log.note(
+            "%d connection(s) dropped: the client read none of its answer for %g s",
+            self.limits.send_timeout_s,
+        )
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # Reset, as nginx's reset_timedout_connection does: closed plainly, the kernel
+            # would go on offering the megabytes in its send buffer to a client that takes
+            # none, for minutes, for every such connection.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
     def _refuse_over_cap(self) -> None:
         """Answer 503 once the request's first bytes are read (closing with them unread
         would reset the connection under the answer) and close."""
         if self.transport.is_closing():
             return
-        cap = self.limits.max_connections
-        cls = GuardedHttpToolsProtocol
-        cls._refused_unlogged += 1
-        now = time.monotonic()
-        if now - cls._refused_logged_at >= _OVERLOAD_LOG_EVERY_S:
-            log.warning(
-                "%d connection(s) refused: %d client connections are open, this server's"
-                " cap for its open-file limit (prefixgate/open_files.py)",
-                cls._refused_unlogged,
-                cap,
-            )
-            cls._refused_unlogged, cls._refused_logged_at = 0, now
+        self._over_cap_log.note(
+            "%d connection(s) refused: %d client connections are open, this server's"
+            " cap for its open-file limit (prefixgate/open_files.py)",
+            self.limits.max_connections,
+        )
         message = "The server holds as many connections as it can; retry shortly."
         self._disarm()
         self.transport.write(_error_response(503, message, type="server_error", retry_after_s=1))
@@ -239,7 +320,11 @@ def _error_response(
 
 def guarded_protocol(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
     """The protocol class to give uvicorn as ``http=`` for these limits."""
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {"limits": limits, "_over_cap_log": _Episodes(), "_stalled_log": _Episodes()},
+    )
 
 
 def server_options(limits: HttpLimits) -> dict[str, Any]:
@@ -269,6 +354,13 @@ def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
         default=defaults.body_timeout_s,
         help="a client must send a request's body within this long after its headers",
     )
+    add_env_flag(
+        parser,
+        "send-timeout-s",
+        type=float,
+        default=defaults.send_timeout_s,
+        help="drop a connection whose client has read none of its answer for this long",
+    )
 
 
 def http_limits_from_args(
@@ -277,5 +369,6 @@ def http_limits_from_args(
     return HttpLimits(
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        send_timeout_s=args.send_timeout_s,
         max_connections=max_connections,
     )

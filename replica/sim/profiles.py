@@ -141,6 +141,7 @@ def load_profile(name_or_path: str) -> SimProfile:
 def summary(profile: SimProfile, block_size: int = 16) -> str:
     """The figures a reader compares with published benchmarks."""
     prefill_2k = profile.prefill_s(2048, chunk=512)
+    rate = f"{2048 / prefill_2k:,.0f} tok/s" if prefill_2k > 0 else "free"  # all costs 0
     gbps = profile.host_gb_per_s
     host = (
         f"host copies {gbps:.1f} GB/s ({1e6 * profile.swap_in_s(1, block_size):.0f} µs "
@@ -152,7 +153,7 @@ def summary(profile: SimProfile, block_size: int = 16) -> str:
         f"{profile.name}: decode step {1e3 * profile.decode_step_s(1, 1024):.2f} ms at batch 1 "
         f"(1k context), {1e3 * profile.decode_step_s(64, 64 * 2048):.2f} ms at batch 64 "
         f"(2k each); prefill of 2,048 tokens {1e3 * prefill_2k:.0f} ms "
-        f"({2048 / prefill_2k:,.0f} tok/s); KV pool "
+        f"({rate}); KV pool "
         f"{profile.num_blocks(block_size):,} blocks of {block_size} "
         f"({profile.kv_cache_bytes / GIB:.1f} GiB, {profile.kv_bytes_per_token} B/token); "
         f"{host}"

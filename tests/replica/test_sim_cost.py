@@ -19,7 +19,7 @@ from replica.request import RequestOutput, RequestState, SamplingParams
 from replica.scheduler import Scheduler, SchedulerConfig
 from replica.sim.backend import SimBackend, output_vocabulary, sim_backend
 from replica.sim.profile import SimProfile
-from replica.sim.profiles import PROFILE_NAMES, builtin_profiles, load_profile
+from replica.sim.profiles import PROFILE_NAMES, builtin_profiles, load_profile, summary
 
 B = 16
 BUDGET = 512
@@ -188,6 +188,16 @@ def test_profiles_load_by_name_or_file_and_constants_override(tmp_path: Path) ->
             dataclasses.replace(H100, token_s=bad)
     with pytest.raises(ValueError, match="host_copy_s_per_gb"):
         H100.with_overrides(host_copy_s_per_gb=math.inf)
+
+
+def test_a_free_profile_is_described_not_divided_by() -> None:
+    """Every cost 0 (a GPU that takes no time, for load on the gateway itself) is
+    allowed; its start-up summary divided by its prefill time and the replica died."""
+    free = H100.with_overrides(
+        step_overhead_s=0.0, weights_s=0.0, token_s=0.0, attn_pair_s=0.0, kv_read_s=0.0
+    )
+    assert free.prefill_s(2048, chunk=512) == 0.0
+    assert "prefill of 2,048 tokens 0 ms (free)" in summary(free)
 
 
 def test_tokens_are_deterministic_real_and_never_special(tokenizer: ChatTokenizer) -> None:
