@@ -124,6 +124,10 @@ class ReplicaRedis:
     async def heartbeat(self, info: ReplicaInfo, ttl_s: float) -> bool:
         """Register and refresh the record; True when a snapshot must be written again
         (none in Redis although this life wrote one: Redis restarted empty)."""
+        # Only a snapshot whose write had returned before this transaction was sent is
+        # one Redis must hold: a write racing it may land after its EXISTS, and taking
+        # that for a loss wrote every new replica's first snapshot twice.
+        wrote_one = not self.first_write
         # One transaction: a gateway never sees the id in the set without its record.
         pipe = self._redis.pipeline(transaction=True)
         pipe.sadd(REPLICAS_SET, self.replica_id)
@@ -133,7 +137,7 @@ class ReplicaRedis:
             pipe.pexpire(key, int(RETAIN_S * 1000))
         pipe.exists(snapshot_key(self.replica_id))
         *_, has_snapshot = await pipe.execute()
-        return not has_snapshot and not self.first_write
+        return wrote_one and not has_snapshot
 
     async def deregister(self) -> None:
         """Best effort: the record's expiry covers a failure."""
