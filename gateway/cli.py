@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory for the block keys of recent prompts, so that a prompt repeating a "
         "recent prefix (tools, system prompt, history) hashes only what follows it; 0: off",
     )
+    add_env_flag(
+        p,
+        "keep-alive-s",
+        type=float,
+        default=75.0,
+        help="how long an idle client connection stays open; above the idle timeout of any "
+        "load balancer in front (AWS ALB and ingress-nginx: 60 s; Google Cloud's: 620 s)",
+    )
     add_http_limit_flags(p)
     add_env_flag(p, "gateway-id", help="this gateway's id in routing hints shared through Redis")
     add_env_flag(p, "log-level", default="info", help="logging level")
@@ -161,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         # Two descriptors per client: its connection and the pooled one to its replica.
         open_files = prepare_open_files(fds_per_connection=2)
         limits = http_limits_from_args(args, open_files.max_connections)
+        if not (math.isfinite(args.keep_alive_s) and args.keep_alive_s > 0):
+            raise ValueError(f"--keep-alive-s must be a positive number, got {args.keep_alive_s}")
         # Keyed mode refuses POST bodies that are not JSON: a browser's cross-site
         # "simple" request (text/plain, form types) is never served.
         guard = GuardConfig(config.max_body_bytes, require_json=config.api_keys_path is not None)
@@ -182,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         access_log=False,  # the gateway writes its own structured access log
         proxy_headers=False,  # the front door: no proxy in front to trust, and a cost per request
+        # uvicorn's 5 s is below every load balancer's idle timeout: one in front reuses a
+        # connection the gateway is closing, and its request fails (a 502 from the balancer).
+        timeout_keep_alive=args.keep_alive_s,
         **server_options(limits),
     )
     return 0
