@@ -202,6 +202,17 @@ async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> No
     await send_json(send, 502, body, ex)
 
 
+# A token stream must not wait in a proxy in front: nginx buffers answers by default
+# (proxy_buffering on) unless they say this, so tokens reached clients ~4 KiB at a time.
+# Engines do not all send them (vLLM sends neither).
+EVENT_STREAM_HEADERS = ((b"x-accel-buffering", b"no"), (b"cache-control", b"no-cache"))
+
+
+def _event_stream_headers(present: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    names = {k.lower() for k, _v in present}
+    return [(k, v) for k, v in EVENT_STREAM_HEADERS if k not in names]
+
+
 def passed_headers(upstream: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The upstream response headers the client gets (ours are added on top)."""
     return [(k, v) for k, v in upstream if k.lower() not in DROPPED_HEADERS]
@@ -261,6 +272,8 @@ async def _send_stream(
     ex.status = upstream.status
     ex.responded = True
     headers = passed_headers(upstream.raw_headers)
+    if scanner is not None:
+        headers.extend(_event_stream_headers(headers))
     headers.extend(ex.raw_headers())
     prefilled = False  # the router was told of the first output
     partial = b""  # an SSE event not yet complete: held so a break never cuts one in two

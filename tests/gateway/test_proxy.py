@@ -73,9 +73,13 @@ def test_whole_and_streamed_answers_pass_through() -> None:
             r = await client.post(url + "/v1/completions", json=BODY)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "whole"
             assert r.headers["x-prefixgate-replica"] == replica.replica_id
+            assert "x-accel-buffering" not in r.headers
             assert in_flight(state) == 0
             r = await client.post(url + "/v1/completions", json={**BODY, "stream": True})
             assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            # No proxy in front may hold the tokens back (nginx buffers by default).
+            assert r.headers["x-accel-buffering"] == "no"
+            assert r.headers["cache-control"] == "no-cache"
             assert in_flight(state) == 0
             assert metric(state, "prefixgate_gateway_reported_cached_tokens_total") == 48
             assert replica.posts[1].headers["x-request-id"] == r.headers["x-request-id"]
