@@ -24,7 +24,10 @@ The outcome given to the breaker is a success unless ``fail()`` was called or an
 gateway's own gives no verdict: it is not the replica's fault, and it proves nothing
 about its health either (clients giving up on a hung replica must not keep resetting its
 failure count, nor close its half-open breaker). A request that never reached the replica
-(``not_sent()``: no free connection in time) gives the breaker no verdict at all. A 5xx
+(``not_sent()``: no free connection in time) gives the breaker no verdict at all, and
+neither does one that outlasted the gateway's wait for its answer (``timed_out()``): a
+long answer that is not streamed comes whole at its end, so the time says more about the
+request than the replica, whose health the probes judge. A 5xx
 answer (``server_error()``) gives none at the finish either: whose fault it was depends
 on the request's other attempts, and ``settle_server_errors`` decides once they are over
 (router/health.py, ``attempt_verdicts``: a 5xx that another replica also gave is the
@@ -55,6 +58,7 @@ class Attempt:
         "sent",
         "server_errored",
         "started",
+        "timed_out_waiting",
     )
 
     def __init__(self, router: Router, decision: Decision) -> None:
@@ -68,6 +72,7 @@ class Attempt:
         self.sent = True
         self.server_errored = False
         self.abandoned = False  # left by an exception that is not the replica's doing
+        self.timed_out_waiting = False  # no answer within the gateway's read timeout
         self.first_byte_at: float | None = None  # perf_counter() at the answer's head
 
     def __enter__(self) -> Attempt:
@@ -117,6 +122,10 @@ class Attempt:
             return "server_error"
         return "broken" if self.failed else "answered"
 
+    def timed_out(self) -> None:
+        """No answer came within the gateway's read timeout: no verdict (see above)."""
+        self.timed_out_waiting = True
+
     def not_sent(self) -> None:
         """The request never reached the replica: nothing to judge it by."""
         self.sent = False
@@ -127,7 +136,12 @@ class Attempt:
         if self.finished or not self.started:
             return
         self.finished = True
-        unjudged = self.server_errored or not self.sent or (self.abandoned and not self.failed)
+        unjudged = (
+            self.server_errored
+            or not self.sent
+            or self.timed_out_waiting
+            or (self.abandoned and not self.failed)
+        )
         verdict = None if unjudged else not self.failed
         assert self._request is not None
         self._router.request_finished(self._request, ok=verdict)

@@ -36,6 +36,10 @@ import httptools
 HIGH_WATER = 256 * 1024
 
 
+# UpstreamError.kind when the replica sent nothing for the read timeout.
+READ_TIMEOUT = "ReadTimeout"
+
+
 class UpstreamError(Exception):
     """The replica could not be reached, timed out, or broke its answer off; ``kind``
     names the failure for metrics (httpx's names, and PoolTimeout: no free connection
@@ -225,7 +229,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def _timed_out(self) -> None:
-        self._fail(UpstreamError("ReadTimeout"))
+        self._fail(UpstreamError(READ_TIMEOUT))
         self.abort()
 
     def _fail(self, error: UpstreamError) -> None:

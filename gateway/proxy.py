@@ -1,11 +1,12 @@
 """Forwarding: pick a replica, send the original body, pass the answer back (raw ASGI).
 
 One attempt, and one retry on the next-best replica when the first fails before its first
-byte (connection refused, timeout, 5xx). A request pinned to one replica (the Responses
-API's stateful turns: only that replica holds what they refer to) gets one attempt there.
-After the first byte the answer is committed: a stream that breaks ends with an SSE error
-event, never a silent truncation. Closing an
-unfinished upstream answer drops its connection, which is how the replica learns that the
+byte (connection refused, connect timeout, 5xx); not when it sent nothing for the whole
+read timeout (a 504: another replica would take as long). A request pinned to one
+replica (the Responses API's stateful turns: only that replica holds what they refer to)
+gets one attempt there. After the first byte the answer is committed: a stream that
+breaks ends with an SSE error event, never a silent truncation. Closing an unfinished
+upstream answer drops its connection, which is how the replica learns that the
 client left (gateway/handler.py cancels the forwarding when that happens).
 
 Each attempt runs inside an ``Attempt`` (gateway/attempt.py), the one place that tells
@@ -22,7 +23,7 @@ from starlette.types import Send
 
 from gateway.attempt import Attempt, settle_server_errors
 from gateway.exchange import Exchange
-from gateway.http1 import Response, UpstreamError
+from gateway.http1 import READ_TIMEOUT, Response, UpstreamError
 from gateway.reply import error_event, send_bytes, send_error_passthrough, send_json
 from gateway.state import GatewayState
 from gateway.upstream import OUT_OF_FILES, POOL_TIMEOUT
@@ -132,6 +133,11 @@ async def _forward(
         if outcome is None:
             return
         failure = outcome
+        if failure.kind == READ_TIMEOUT:
+            # The replica had it for the whole timeout, and another would take as long:
+            # tried again, a long answer that is not streamed cost two replicas the
+            # timeout each, and then failed anyway.
+            break
     await send_failure(send, failure, ex)
 
 
@@ -148,6 +154,11 @@ async def _attempt(
     except UpstreamError as exc:
         if exc.kind in (POOL_TIMEOUT, OUT_OF_FILES):
             attempt.not_sent()
+        elif exc.kind == READ_TIMEOUT:
+            attempt.timed_out()
+            state.metrics.upstream_failure(rid, exc.kind)
+            waited = f"{state.config.upstream_timeout_s:g} s"
+            return UpstreamFailure(None, b"", f"replica {rid} sent nothing in {waited}", exc.kind)
         else:
             attempt.fail()
         state.metrics.upstream_failure(rid, exc.kind)
@@ -174,7 +185,8 @@ async def _attempt(
 async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
     """After the retry: the last 5xx as it came (OpenAI-shaped), 503 with Retry-After
     when the last replica tried had no free connection in time or the gateway had no file
-    descriptor to spare, or 502 if none answered."""
+    descriptor to spare, 504 when the replica sent nothing within the read timeout, or
+    502 if none answered."""
     if failure.status is not None:
         await send_error_passthrough(send, failure.status, failure.body, ex)
         return
@@ -185,6 +197,15 @@ async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> No
             code="gateway_busy",
         )
         await send_json(send, 503, body, ex, {"Retry-After": RETRY_AFTER_S})
+        return
+    if failure.kind == READ_TIMEOUT:
+        body = error_body(
+            f"No answer in time ({failure.message}, the gateway's --upstream-timeout-s)."
+            " A long answer should be streamed, or that timeout raised.",
+            type="server_error",
+            code="upstream_timeout",
+        )
+        await send_json(send, 504, body, ex)
         return
     if failure.kind == POOL_TIMEOUT:
         body = error_body(

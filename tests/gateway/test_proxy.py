@@ -114,6 +114,37 @@ def test_a_5xx_before_the_first_byte_is_retried_on_the_other_replica() -> None:
     run(main())
 
 
+async def answer_late(request: Request, _: Any, w: asyncio.StreamWriter) -> None:
+    await asyncio.sleep(3)  # a long generation, answered whole at its end
+    w.write(answer(200, completion("late")))
+
+
+def test_no_answer_within_the_timeout_is_a_504_not_retried_nor_blamed() -> None:
+    """A whole (unstreamed) answer comes at the end of its generation. One longer than
+    the gateway's read timeout was retried on another replica (which took as long), then
+    answered 502 blaming both, and counted as a failure in both breakers."""
+
+    async def main() -> None:
+        slow = [await Replica(answer_late).start() for _ in range(2)]
+        async with (
+            running_gateway(slow, upstream_timeout_s=0.5) as (url, state),
+            httpx.AsyncClient() as client,
+        ):
+            r = await client.post(url + "/v1/completions", json=BODY)
+            assert r.status_code == 504, r.text
+            error = r.json()["error"]
+            assert error["code"] == "upstream_timeout" and "0.5 s" in error["message"]
+            assert sorted(len(replica.posts) for replica in slow) == [0, 1]  # not retried
+            assert in_flight(state) == 0
+            breakers = [v.breaker for v in state.router.replicas.values()]
+            assert all(b.consecutive_failures == 0 and b.state == "closed" for b in breakers)
+            assert metric(state, "prefixgate_gateway_upstream_failures_total{") == 1
+        for replica in slow:
+            replica.close()
+
+    run(main())
+
+
 def test_when_every_replica_fails_the_client_gets_the_last_error() -> None:
     async def main() -> None:
         a, b = await Replica(fail_500).start(), await Replica(fail_500).start()
