@@ -125,7 +125,9 @@ async def _serve(
             body["cache_salt"] = salt
         raw = json.dumps(body, separators=(",", ":")).encode()
 
-    prompt = await state.keys.keys(parsed, parsed.model, block_size, salt or "", len(raw))
+    prompt = await state.keys.keys(
+        parsed, parsed.model, block_size, salt or "", len(raw), served=route_model is not None
+    )
     conversation = state.auth.scoped_conversation(tenant, conversation_key(body, headers))
     request = Forward(
         keys=prompt.keys,

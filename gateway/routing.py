@@ -148,12 +148,20 @@ class KeyBuilder:
         block_size: int,
         salt: str,
         body_bytes: int | None = None,
+        served: bool = True,
     ) -> PromptKeys:
         """The request's keys; ``body_bytes``: its body's size, where the caller has it
-        (the measure of a chat's size; see the module's docstring for where work runs)."""
-        if model not in self._tokenizers:
-            await self.preload(model)
-        tokenizer = self._tokenizers[model]
+        (the measure of a chat's size; see the module's docstring for where work runs).
+        ``served=False``: no replica is known to serve ``model`` (a name from the client,
+        let through while some replica's model is unknown): keyed by bytes unless its
+        tokenizer is already loaded, for no client-chosen name may make the gateway read
+        a folder of that name, nor remember one more name."""
+        if not served:
+            tokenizer = self._tokenizers.get(model)
+        else:
+            if model not in self._tokenizers:
+                await self.preload(model)
+            tokenizer = self._tokenizers[model]
         memo = self.memo
         chat = request if isinstance(request, ChatCompletionRequest) else None
         size = body_bytes if chat is not None and body_bytes is not None else _prompt_chars(request)

@@ -52,6 +52,30 @@ def test_key_builder_remembers_a_missing_tokenizer() -> None:
     assert list(bytes_as_tokens(b"abcdefg")) == [int.from_bytes(b"abcd", "little")]
 
 
+def test_a_name_no_replica_serves_loads_nothing_and_is_not_remembered() -> None:
+    """While some replica's model is unknown, the gateway lets any model name through to
+    it. Each new name made the gateway load a tokenizer from a folder of that name (a
+    client-chosen path on the gateway's disk) and keep one more entry for ever."""
+    calls = []
+
+    def loader(name: str, chat_template: str | None) -> FakeTokenizer:
+        calls.append(name)
+        return FakeTokenizer()
+
+    builder = KeyBuilder(loader=loader)
+    request = CompletionRequest(model="/srv/anything", prompt="x" * 40)
+
+    async def keys(model: str, served: bool) -> Any:
+        return await builder.keys(request, model, 16, "", served=served)
+
+    unserved = asyncio.run(keys("/srv/anything", served=False))
+    assert calls == [] and not unserved.tokenized  # keyed by bytes
+    assert builder.tokenizer_for("m") is not None and calls == ["m"]
+    assert asyncio.run(keys("m", served=False)).tokenized  # loaded already: used
+    asyncio.run(keys("/srv/anything", served=False))
+    assert calls == ["m"]
+
+
 def test_tool_definitions_change_the_keys() -> None:
     """Two agents with different tool sets never share keys, with or without a tokenizer."""
     from prefixgate.tokenizer import ChatTokenizer
