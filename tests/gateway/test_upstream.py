@@ -5,14 +5,16 @@ and a request written at most once."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+import uvloop
 
 from gateway.http1 import UpstreamError
-from gateway.upstream import Upstream
+from gateway.upstream import TCP_KEEPALIVE, Upstream
 from tests.conftest import wait_until_async
 from tests.gateway.loopback import Replica, Request, answer, answer_ok
 
@@ -134,3 +136,32 @@ def test_a_written_request_that_got_no_answer_is_not_sent_again() -> None:
 def test_the_limit_must_allow_a_connection() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         Upstream(0, 2.0, 10.0, pool_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_connections_to_replicas_probe_for_a_vanished_host(loop: str) -> None:
+    """A replica whose host is gone sends no FIN: without keepalive probes, a request
+    waiting on it waited out the read timeout (benchmarks/vanished_replica.py)."""
+    seen: dict[str, int] = {}
+
+    async def main() -> None:
+        replica = await Replica().start()
+        up = Upstream(2, 2.0, 30.0, pool_timeout_s=1.0)
+        response = await up.post(replica.url + PATH, b"{}", {})
+        transport = response._conn.transport  # the connection the answer came on
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
+        seen["keepalive"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        seen["idle"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        seen["interval"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        seen["count"] = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        await response.close()
+        await up.aclose()
+        replica.close()
+
+    if loop == "uvloop":  # the gateway's loop
+        uvloop.run(asyncio.wait_for(main(), 20))
+    else:
+        run(main())
+    assert seen["keepalive"] == 1
+    assert (seen["idle"], seen["interval"], seen["count"]) == TCP_KEEPALIVE
