@@ -16,26 +16,18 @@ may have received it, and whether to retry elsewhere is the proxy's decision.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import ssl
 import time
 from dataclasses import dataclass, field
 from typing import cast
 
 from gateway.http1 import Connection, Response, Target, UpstreamError
+from prefixgate.keepalive import keep_probing
 from prefixgate.open_files import out_of_files
 
 # Uvicorn (vLLM, SGLang, our replicas) drops idle keep-alive connections after 5 s; we let
 # go of them a little earlier, so a pooled connection is rarely dead when it is reused.
 KEEPALIVE_S = 4.0
-# TCP keepalive on every connection to a replica: idle this long (s), then a probe every
-# interval, and after this many unanswered the connection ends. A replica whose host
-# vanished (a node lost, a partition) sends neither FIN nor RST, so a request waiting on
-# it sat out the whole read timeout (600 s) while the probes had long since marked it
-# down. The replica's kernel answers keepalive probes however busy the replica is, so
-# only a host that is gone fails them: its connections end ~25 s after their last byte.
-TCP_KEEPALIVE = (10, 5, 3)
 MAX_TARGETS = 4096  # replicas come and go: parsed URLs and idle pools stay bounded
 METHODS = frozenset({"GET", "POST", "DELETE"})  # what the gateway forwards
 # UpstreamError.kinds for a request that was not sent, for want of a free connection to
@@ -177,7 +169,7 @@ class Upstream:
             raise UpstreamError(kind) from exc
         # uvloop may resolve create_connection before it calls connection_made.
         conn.transport = cast(asyncio.Transport, transport)
-        keep_probing(conn.transport)
+        keep_probing(conn.transport)  # a replica whose host vanished: prefixgate/keepalive.py
         return conn
 
     def release(self, conn: Connection) -> None:
@@ -205,22 +197,3 @@ class Upstream:
             for conn in pool.idle:
                 conn.abort()
             pool.idle.clear()
-
-
-def keep_probing(transport: asyncio.Transport) -> None:
-    """Turn on ``TCP_KEEPALIVE`` for the connection, where the platform has the options."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return
-    idle, interval, count = TCP_KEEPALIVE
-    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-    for name, value in (
-        ("TCP_KEEPIDLE", idle),
-        ("TCP_KEEPINTVL", interval),
-        ("TCP_KEEPCNT", count),
-    ):
-        if hasattr(socket, name):
-            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-    with contextlib.suppress(OSError):
-        for level, option, value in options:
-            sock.setsockopt(level, option, value)

@@ -51,6 +51,7 @@ from typing import Any, ClassVar, Literal
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from prefixgate.envflags import add_env_flag
+from prefixgate.keepalive import keep_probing
 from prefixgate.wire import error_body
 
 Phase = Literal["head", "body"]
@@ -132,6 +133,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        keep_probing(transport)  # a client whose host vanished: prefixgate/keepalive.py
         cap = self.limits.max_connections
         self._over_cap = cap is not None and len(self.connections) > cap
         self._arm("head")

@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.procs import stop_process
+from tests.conftest import wait_until
 from tests.gateway.conftest import Server, start_gateway, start_stub
 from tests.replica.conftest import MODEL, ReplicaProcess, start_replica
 
@@ -117,6 +119,36 @@ def test_a_huge_header_is_refused_while_others_are_served(target: Target) -> Non
     assert outcome["sent"] < HUGE_HEADER_BYTES // 4, outcome
     assert "reply" not in outcome or outcome["reply"].startswith(b"HTTP/1.1 431"), outcome
     _served(target)
+
+
+def _server_timer(server_port: int, client_port: int) -> int | None:
+    """The kernel timer running on the server's end of one loopback connection
+    (/proc/net/tcp's ``tr``: 0 none, 1 retransmit, 2 keepalive), None if not listed."""
+    local = f"0100007F:{server_port:04X}"
+    remote = f"0100007F:{client_port:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == local and fields[2] == remote:
+            return int(fields[5].split(":")[0], 16)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="Linux's /proc/net/tcp")
+def test_client_connections_are_probed_for_a_vanished_host(target: Target) -> None:
+    """A client (or gateway) whose host vanished sends no FIN: its server decoded on for
+    it, to max_tokens. Now an idle connection runs the kernel's keepalive timer
+    (prefixgate/keepalive.py), which ends it once its peer stops answering."""
+    with _connect(target) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        client_port = sock.getsockname()[1]
+        # Keepalive once the answer is acknowledged (a retransmit timer until then);
+        # before: no timer at all.
+        wait_until(
+            lambda: _server_timer(target.port, client_port) == 2,
+            timeout_s=5,
+            what="the server's keepalive timer on an idle connection",
+        )
 
 
 def test_too_many_headers_is_431(target: Target) -> None:

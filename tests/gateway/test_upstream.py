@@ -14,7 +14,8 @@ import pytest
 import uvloop
 
 from gateway.http1 import UpstreamError
-from gateway.upstream import TCP_KEEPALIVE, Upstream
+from gateway.upstream import Upstream
+from prefixgate.keepalive import TCP_KEEPALIVE
 from tests.conftest import wait_until_async
 from tests.gateway.loopback import Replica, Request, answer, answer_ok
 
