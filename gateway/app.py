@@ -29,7 +29,13 @@ from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.metrics import GatewayMetrics
-from gateway.probes import add_static_replicas, learn_static_models, probe_all, probe_loop
+from gateway.probes import (
+    add_static_replicas,
+    learn_static_models,
+    names_loop,
+    probe_all,
+    probe_loop,
+)
 from gateway.response_affinity import ResponseAffinity
 from gateway.responses import is_responses_path, serve_responses
 from gateway.routing import KeyBuilder
@@ -129,10 +135,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = state.sync.start()
         if inspect.isawaitable(started):
             await started
-    for model in {*config.models, *state.models(healthy_only=False)}:
+    # Aliases and adapters are tokenized as the model they are served by.
+    for model in {*config.models, *(v.model for v in state.router.replicas.values() if v.model)}:
         await state.keys.preload(model)
     await probe_all(state)  # before serving: the replicas that answer take traffic at once
     state.tasks.append(asyncio.create_task(probe_loop(state)))
+    state.tasks.append(asyncio.create_task(names_loop(state)))
     if pending:
         state.tasks.append(asyncio.create_task(learn_static_models(state, pending)))
     log.info(

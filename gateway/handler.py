@@ -107,13 +107,17 @@ async def _serve(
     assert isinstance(parsed, ChatCompletionRequest | CompletionRequest)
     ex.model = parsed.model
     ex.stream = parsed.stream
-    block_size = state.served_block_size(parsed.model)
+    view = state.serving(parsed.model)
     route_model: str | None = parsed.model
-    if block_size is None:
+    tokenizer_model = key_model = parsed.model
+    if view is None:
         if not state.has_unknown_model_replica():
             raise unknown_model(parsed.model)
         # Only replicas whose model is not known yet: let any of them try.
         route_model, block_size = None, state.config.block_size
+    else:  # an alias or an adapter is tokenized as the model it is served by
+        block_size = int(view.block_size)
+        tokenizer_model, key_model = view.model, view.key_model(parsed.model)
     ex.block_size = block_size
 
     salt = state.auth.forwarded_salt(tenant, parsed.cache_salt)
@@ -126,7 +130,13 @@ async def _serve(
         raw = json.dumps(body, separators=(",", ":")).encode()
 
     prompt = await state.keys.keys(
-        parsed, parsed.model, block_size, salt or "", len(raw), served=route_model is not None
+        parsed,
+        tokenizer_model,
+        block_size,
+        salt or "",
+        len(raw),
+        served=route_model is not None,
+        key_model=key_model,
     )
     conversation = state.auth.scoped_conversation(tenant, conversation_key(body, headers))
     request = Forward(

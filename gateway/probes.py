@@ -1,16 +1,24 @@
-"""Background upkeep: active health probes and the models of static replicas.
+"""Background upkeep: active health probes and the models replicas serve.
 
 Every ``probe_interval_s`` each replica's ``/health`` is fetched and the outcome fed to
 ``router.report_probe`` (the breaker's active half; request outcomes are the passive
 half). Static replicas (``--replica URL``) are asked once at start what they serve
 (``/v1/models``); one that does not answer is added with the ``--model`` fallback and
 asked again in the background until it does.
+
+A replica may serve more than one name, and clients send any of them: vLLM lists every
+``--served-model-name`` (aliases of one model, one cache) and every LoRA adapter (a card
+with a ``parent``: keys of its own, as the bridge publishes its blocks). Every replica's
+``/v1/models`` is read when it appears and every ``NAMES_REFRESH_S`` after (adapters can
+be loaded at run time), into ``ReplicaView.names``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httpx
@@ -55,15 +63,76 @@ async def probe_loop(state: GatewayState) -> None:
             log.exception("health probe round failed")
 
 
-async def fetch_model(client: httpx.AsyncClient, url: str, timeout: float) -> str | None:
-    """The first model a server lists at ``/v1/models``; None when it does not answer."""
+NAMES_REFRESH_S = 30.0
+
+
+class Served(NamedTuple):
+    """What a server lists at ``/v1/models``: its model (the first card without a
+    parent) and its other names, each with the model id of its block keys."""
+
+    model: str
+    names: dict[str, str]
+
+
+def served_names(cards: object) -> Served | None:
+    """``/v1/models``' ``data`` read as ``Served``; None when it names no model."""
+    if not isinstance(cards, list):
+        return None
+    listed = [
+        (card["id"], card.get("parent"))
+        for card in cards
+        if isinstance(card, dict) and isinstance(card.get("id"), str) and card["id"]
+    ]
+    bases = [name for name, parent in listed if not parent]
+    if not listed:
+        return None
+    model = bases[0] if bases else listed[0][0]
+    names = {name: (name if parent else model) for name, parent in listed if name != model}
+    return Served(model, names)
+
+
+async def fetch_models(client: httpx.AsyncClient, url: str, timeout: float) -> Served | None:
+    """What a server serves (``served_names``); None when it does not answer."""
     try:
         response = await client.get(url + "/v1/models", timeout=timeout)
-        data = response.json()["data"]
-        model = data[0]["id"] if response.status_code == 200 and data else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        if response.status_code != 200:
+            return None
+        return served_names(response.json().get("data"))
+    except (httpx.HTTPError, ValueError, AttributeError):
         return None
-    return model if isinstance(model, str) else None
+
+
+async def names_loop(state: GatewayState) -> None:
+    """Keep every replica's other served names (``ReplicaView.names``) current."""
+    fetched_at: dict[str, float] = {}
+    while True:
+        await asyncio.sleep(state.config.probe_interval_s)
+        try:
+            await refresh_names(state, fetched_at)
+        except Exception:  # a bug here must not end the upkeep
+            log.exception("reading the replicas' model lists failed")
+
+
+async def refresh_names(state: GatewayState, fetched_at: dict[str, float]) -> None:
+    """Read ``/v1/models`` of the replicas not read within ``NAMES_REFRESH_S``."""
+    now = time.monotonic()
+    due = [
+        v
+        for v in state.router.replicas.values()
+        if v.model and now - fetched_at.get(v.replica_id, -NAMES_REFRESH_S) >= NAMES_REFRESH_S
+    ]
+    timeout = state.config.probe_timeout_s
+    found = await asyncio.gather(*(fetch_models(state.client, v.url, timeout) for v in due))
+    for view, served in zip(due, found, strict=True):
+        if served is None:
+            continue  # no answer: what it served before stands
+        fetched_at[view.replica_id] = now
+        names = dict(served.names)
+        if served.model != view.model:  # it names its model otherwise: that name too
+            names[served.model] = view.model
+        state.router.set_names(view.replica_id, names)
+    for gone in fetched_at.keys() - state.router.replicas.keys():
+        del fetched_at[gone]
 
 
 async def add_static_replicas(state: GatewayState) -> list[str]:
@@ -71,13 +140,15 @@ async def add_static_replicas(state: GatewayState) -> list[str]:
     config = state.config
     fallback = config.models[0] if config.models else ""
     timeout = config.probe_timeout_s
-    models = await asyncio.gather(*(fetch_model(state.client, u, timeout) for u in config.replicas))
+    found = await asyncio.gather(*(fetch_models(state.client, u, timeout) for u in config.replicas))
     pending = []
-    for url, model in zip(config.replicas, models, strict=True):
-        if model is None:
+    for url, served in zip(config.replicas, found, strict=True):
+        if served is None:
             pending.append(url)
             log.warning("replica %s did not say its model; assuming %r for now", url, fallback)
-        _put_static(state, url, model or fallback)
+        _put_static(state, url, fallback if served is None else served.model)
+        if served is not None:
+            state.router.set_names(static_replica_id(url), served.names)
     return pending
 
 
@@ -87,15 +158,17 @@ async def learn_static_models(state: GatewayState, pending: list[str]) -> None:
     while waiting:
         await asyncio.sleep(state.config.probe_interval_s)  # the retry period
         for url in list(waiting):
-            model = await fetch_model(state.client, url, state.config.probe_timeout_s)
-            if model is None:
+            served = await fetch_models(state.client, url, state.config.probe_timeout_s)
+            if served is None:
                 continue
             waiting.remove(url)
+            model = served.model
             await state.keys.preload(model)
             rid = static_replica_id(url)
             view = state.router.replicas.get(rid)
             if view is None or view.model != model:
                 _put_static(state, url, model)
+            state.router.set_names(rid, served.names)
             log.info("replica %s serves %r", url, model)
 
 

@@ -177,13 +177,15 @@ async def _create(
             [], 0, hooks.conversation, None, PREFIX, raw, sent, req.stream,
             pinned=_pinned(state, owner), hooks=hooks,
         )  # fmt: skip
-    block_size = state.served_block_size(req.model)
-    if block_size is None:
+    view = state.serving(req.model)
+    if view is None:
         raise unknown_model(req.model)
-    ex.block_size = block_size
+    ex.block_size = block_size = int(view.block_size)
     hooks.conversation = scoped(tenant, conversation_key(body, headers))
     chat = parse_request(ChatCompletionRequest, chat_body(req, []))
-    prompt = await state.keys.keys(chat, req.model, block_size, salt or "", len(raw))
+    prompt = await state.keys.keys(
+        chat, view.model, block_size, salt or "", len(raw), key_model=view.key_model(req.model)
+    )
     return Forward(
         prompt.keys, prompt.prompt_tokens, hooks.conversation, req.model, PREFIX, raw, sent,
         req.stream, hooks=hooks,

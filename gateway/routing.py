@@ -149,13 +149,17 @@ class KeyBuilder:
         salt: str,
         body_bytes: int | None = None,
         served: bool = True,
+        key_model: str | None = None,
     ) -> PromptKeys:
         """The request's keys; ``body_bytes``: its body's size, where the caller has it
         (the measure of a chat's size; see the module's docstring for where work runs).
         ``served=False``: no replica is known to serve ``model`` (a name from the client,
         let through while some replica's model is unknown): keyed by bytes unless its
         tokenizer is already loaded, for no client-chosen name may make the gateway read
-        a folder of that name, nor remember one more name."""
+        a folder of that name, nor remember one more name. ``key_model``: the model id
+        of the keys where it is not ``model`` (a LoRA adapter of ``model``: its own
+        keys, ``model``'s tokenizer)."""
+        space_model = key_model or model
         if not served:
             tokenizer = self._tokenizers.get(model)
         else:
@@ -166,7 +170,7 @@ class KeyBuilder:
         chat = request if isinstance(request, ChatCompletionRequest) else None
         size = body_bytes if chat is not None and body_bytes is not None else _prompt_chars(request)
         if size <= self._inline_chars:
-            return prompt_keys(request, tokenizer, model, block_size, salt, memo)
+            return prompt_keys(request, tokenizer, space_model, block_size, salt, memo)
         if (
             chat is not None
             and size <= RENDER_INLINE_FACTOR * self._inline_chars
@@ -177,10 +181,10 @@ class KeyBuilder:
                 ids = tokenizer.encode_rendered(text)
             else:
                 ids = await asyncio.to_thread(tokenizer.encode_rendered, text)
-            space = KeySpace(model, block_size, salt)
+            space = KeySpace(space_model, block_size, salt)
             return PromptKeys(memo.short_keys(space, ids), len(ids), True)
         return await asyncio.to_thread(
-            prompt_keys, request, tokenizer, model, block_size, salt, memo
+            prompt_keys, request, tokenizer, space_model, block_size, salt, memo
         )
 
 

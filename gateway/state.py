@@ -19,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
 from gateway.upstream import Upstream
-from router.router import Router
+from router.router import ReplicaView, Router
 
 if TYPE_CHECKING:
     from router.sync import RedisSync
@@ -40,9 +40,14 @@ class GatewayState:
 
     def served_block_size(self, model: str) -> int | None:
         """Block size of a replica serving ``model``; None when no replica serves it."""
+        view = self.serving(model)
+        return None if view is None else int(view.block_size)
+
+    def serving(self, model: str) -> ReplicaView | None:
+        """A replica that serves ``model`` by name (its model, an alias or an adapter)."""
         for view in self.router.replicas.values():
-            if view.model == model:
-                return int(view.block_size)
+            if view.model == model or model in view.names:
+                return view
         return None
 
     def has_unknown_model_replica(self) -> bool:
@@ -51,8 +56,9 @@ class GatewayState:
     def models(self, *, healthy_only: bool) -> list[str]:
         return sorted(
             {
-                v.model
+                name
                 for v in self.router.replicas.values()
                 if v.model and (v.healthy or not healthy_only)
+                for name in (v.model, *v.names)
             }
         )

@@ -83,6 +83,10 @@ class ReplicaView:
     publishes_events: bool = False  # seen an event or snapshot: optimistic inserts expire
     last_seq: int | None = None  # last block event folded into the index
     cleared_seq: int | None = None  # the last ``cleared`` event folded in
+    # Its other served names (its /v1/models) -> the model id of their block keys: an
+    # alias (vLLM's several --served-model-name) shares ``model``'s cache and keys, a
+    # LoRA adapter has keys of its own (a model of its own, as the bridge publishes it).
+    names: dict[str, str] = field(default_factory=dict)
 
     @property
     def expired(self) -> bool:
@@ -105,7 +109,11 @@ class ReplicaView:
         return self.breaker.state
 
     def serves(self, model: str | None) -> bool:
-        return model is None or not self.model or self.model == model
+        return model is None or not self.model or self.model == model or model in self.names
+
+    def key_model(self, model: str) -> str:
+        """The model id of the block keys of requests for ``model``, a name it serves."""
+        return self.names.get(model, model)
 
 
 class Router:
@@ -185,6 +193,12 @@ class Router:
         view.url, view.model, view.block_size = url, model, block_size
         view.static = view.static or static
         view.last_seen = self.clock()
+
+    def set_names(self, replica_id: str, names: dict[str, str]) -> None:
+        """The replica's other served names (``ReplicaView.names``), as it lists them."""
+        view = self._replicas.get(replica_id)
+        if view is not None:
+            view.names = {name: key for name, key in names.items() if name != view.model}
 
     def _alias(self, replica_id: str, url: str) -> str | None:
         """The id of another replica at the same address, if any."""

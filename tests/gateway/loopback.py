@@ -85,6 +85,7 @@ class Replica:
 
     on_post: PostHandler = answer_ok
     model: str = "m"
+    more_models: list[dict[str, Any]] = field(default_factory=list)  # /v1/models cards
     posts: list[Request] = field(default_factory=list)
     connections: int = 0
     open_connections: int = 0
@@ -120,7 +121,8 @@ class Replica:
                 if request.method == "GET" and request.path == "/health":
                     w.write(answer(200, b'{"status":"ok"}'))
                 elif request.method == "GET" and request.path == "/v1/models":
-                    w.write(answer(200, json.dumps({"data": [{"id": self.model}]}).encode()))
+                    cards = [{"id": self.model}, *self.more_models]
+                    w.write(answer(200, json.dumps({"data": cards}).encode()))
                 else:
                     self.posts.append(request)
                     await self.on_post(request, reader, w)

@@ -7,10 +7,12 @@ figures measure the gateway. Its answers are fixed text; flags make it fail on p
 
     python -m tests.support.stub_backend --port P [--model NAME] [--fail-status 500]
         [--fail-body TEXT] [--fail-on TEXT] [--break-after N] [--chunks N]
-        [--delay-ms MS] [--health-status 503]
+        [--delay-ms MS] [--health-status 503] [--alias NAME ...] [--lora NAME ...]
 
 ``--fail-on TEXT`` fails only the requests whose body contains TEXT (a poison request;
 with ``--fail-status`` or 500); ``--health-status`` is what ``GET /health`` answers.
+``--alias`` and ``--lora`` add names to ``/v1/models`` as vLLM lists them: another
+``--served-model-name``, and a LoRA adapter (a card whose ``parent`` is the model).
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -42,6 +44,8 @@ class StubConfig:
     fail_on: str | None = None  # fail only bodies containing this text
     health_status: int = 200
     remembered: int = 64
+    aliases: list[str] = field(default_factory=list)
+    loras: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -62,8 +66,16 @@ class StubBackend:
                 b'{"status":"%s"}' % (b"ok" if ok else b"unavailable"),
             )
         elif method == "GET" and path == "/v1/models":
-            card = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "stub"}
-            await _send(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
+            c = self.config
+            cards: list[dict[str, Any]] = [
+                {"id": name, "object": "model", "created": 0, "owned_by": "stub", "parent": None}
+                for name in (c.model, *c.aliases)
+            ]
+            cards += [
+                {"id": name, "object": "model", "created": 0, "owned_by": "stub", "parent": c.model}
+                for name in c.loras
+            ]
+            await _send(send, 200, json.dumps({"object": "list", "data": cards}).encode())
         elif method == "GET" and path == "/stub/requests":
             await _send(send, 200, json.dumps(list(self.requests)).encode())
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
@@ -206,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--fail-on")
     parser.add_argument("--health-status", type=int, default=200)
+    parser.add_argument("--alias", action="append", default=[])
+    parser.add_argument("--lora", action="append", default=[])
     args = parser.parse_args(argv)
     config = StubConfig(
         model=args.model,
@@ -216,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         delay_s=args.delay_ms / 1000,
         fail_on=args.fail_on,
         health_status=args.health_status,
+        aliases=args.alias,
+        loras=args.lora,
     )
     import uvicorn
 
