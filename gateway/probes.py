@@ -127,9 +127,12 @@ async def refresh_names(state: GatewayState, fetched_at: dict[str, float]) -> No
         if served is None:
             continue  # no answer: what it served before stands
         fetched_at[view.replica_id] = now
-        names = dict(served.names)
-        if served.model != view.model:  # it names its model otherwise: that name too
-            names[served.model] = view.model
+        # Its registered model may be another of its aliases than the first listed
+        # (a bridge given one): that one names the shared keys.
+        names = {
+            name: view.model if key == served.model else key
+            for name, key in (*served.names.items(), (served.model, served.model))
+        }
         state.router.set_names(view.replica_id, names)
     for gone in fetched_at.keys() - state.router.replicas.keys():
         del fetched_at[gone]

@@ -87,3 +87,33 @@ def test_an_adapter_loaded_at_run_time_is_learned(monkeypatch: pytest.MonkeyPatc
         replica.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_replica_registered_under_another_alias_keys_them_all_by_it() -> None:
+    """A bridge registers the engine under the name it was given, which need not be the
+    first that engine lists: its blocks are keyed by that name, so every alias is."""
+
+    async def main() -> None:
+        listed = [{"id": "b"}, {"id": "c"}, {"id": "lora", "parent": "a"}]
+        first = await Replica(model="a", more_models=listed).start()
+        other = await Replica(model="a", more_models=listed).start()
+        async with running_gateway([first]) as (_url, state):
+            assert state.router.replicas[first.replica_id].names == {
+                "b": "a",
+                "c": "a",
+                "lora": "lora",
+            }
+            state.router.add_replica("registered", other.url, model="b")
+            await probes.refresh_names(state, {})
+            view = state.router.replicas["registered"]
+            assert view.names == {"a": "b", "c": "b", "lora": "lora"}
+            assert [view.key_model(name) for name in ("a", "b", "c", "lora")] == [
+                "b",
+                "b",
+                "b",
+                "lora",
+            ]
+        first.close()
+        other.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
