@@ -21,7 +21,10 @@ protocol with these limits added:
   dropped and the app sees a disconnect, as nginx's ``send_timeout`` does. Such a
   client (a process stuck, or an SDK stream left unread) otherwise held its connection,
   its replica's decode and the gateway's count of that replica's load until it went
-  away, which may be never.
+  away, which may be never. The gateway's clients only (None: off): a replica's client
+  is mostly a gateway, which stops reading while its own client is slow, and a client
+  that takes a token a second (a voice agent) leaves the gateway's buffer full for
+  minutes at a time; the replica would cut that stream, which the gateway keeps.
 
 * a connection beyond ``max_connections`` open at once (the server's open-file budget,
   prefixgate/open_files.py): 503 with Retry-After, closed at once, before the request is
@@ -58,6 +61,7 @@ Phase = Literal["head", "body"]
 
 log = logging.getLogger("prefixgate.http")
 _OVERLOAD_LOG_EVERY_S = 10.0
+SEND_TIMEOUT_S = 60.0  # nginx's send_timeout
 # The ioctl for a socket's unsent byte count (Linux's SIOCOUTQ); None where there is none.
 _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 
@@ -74,16 +78,21 @@ class HttpLimits:
     body_timeout_s: float = 60.0
     """From the end of the head to the end of the body: the gateway's 16 MiB body limit
     at 280 KiB/s."""
-    send_timeout_s: float = 60.0
+    send_timeout_s: float | None = SEND_TIMEOUT_S
     """How long an answer may wait for the client to read any of it (the write buffer
-    full the whole time); a slow reader that takes some bytes now and then is not cut."""
+    full the whole time; None: for ever); a slow reader that takes some bytes now and then
+    is not cut. What the server sees taken is what the client's kernel acknowledges: a
+    segment at a time at least (~1.4 KB on a network, up to 64 KB over loopback)."""
     max_connections: int | None = None
     """Client connections open at once (None: no cap); set from the open-file limit."""
 
     def __post_init__(self) -> None:
         if min(self.max_header_bytes, self.max_headers) < 1:
             raise ValueError("max_header_bytes and max_headers must be positive")
-        if min(self.header_timeout_s, self.body_timeout_s, self.send_timeout_s) <= 0:
+        timeouts = [self.header_timeout_s, self.body_timeout_s]
+        if self.send_timeout_s is not None:
+            timeouts.append(self.send_timeout_s)
+        if not all(t > 0 for t in timeouts):  # nan too
             raise ValueError("header_timeout_s, body_timeout_s and send_timeout_s must be positive")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections must be positive")
@@ -145,7 +154,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._send_stall is None:
+        if self._send_stall is None and self.limits.send_timeout_s is not None:
             self._arm_stall()
 
     def resume_writing(self) -> None:
@@ -228,6 +237,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(408, f"The request's {what} did not arrive within {timeout:g} s.")
 
     def _arm_stall(self) -> None:
+        assert self.limits.send_timeout_s is not None
         self._unsent = self._unsent_bytes()
         self._send_stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
 
@@ -338,9 +348,12 @@ def server_options(limits: HttpLimits) -> dict[str, Any]:
     return options
 
 
-def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
+def add_http_limit_flags(
+    parser: argparse.ArgumentParser, send_timeout_s: float | None = SEND_TIMEOUT_S
+) -> None:
     """The server CLIs' flags for ``HttpLimits``' timeouts (the byte and line limits are
-    fixed: no legitimate client comes near them)."""
+    fixed: no legitimate client comes near them); ``send_timeout_s``: this server's
+    default (None: off, given as 0)."""
     defaults = HttpLimits()
     add_env_flag(
         parser,
@@ -360,8 +373,8 @@ def add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "send-timeout-s",
         type=float,
-        default=defaults.send_timeout_s,
-        help="drop a connection whose client has read none of its answer for this long",
+        default=send_timeout_s or 0.0,
+        help="drop a connection whose client has read none of its answer for this long (0: never)",
     )
 
 
@@ -371,6 +384,6 @@ def http_limits_from_args(
     return HttpLimits(
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
-        send_timeout_s=args.send_timeout_s,
+        send_timeout_s=args.send_timeout_s or None,
         max_connections=max_connections,
     )

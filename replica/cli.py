@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024.0,
         help="memory for stored Responses API conversations (least recently used dropped)",
     )
-    add_http_limit_flags(p)
+    add_http_limit_flags(p, send_timeout_s=None)  # its client is a gateway (http_limits.py)
     add_chat_flags(p)
     add_sim_flags(p)
     add_env_flag(

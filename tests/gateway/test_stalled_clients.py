@@ -143,3 +143,18 @@ def test_a_slow_reader_keeps_its_stream(cluster: tuple[Server, Server]) -> None:
     finally:
         sock.close()
     _until(lambda: _in_flight(gateway) == 0, 30, "the closed stream leaves the load")
+
+
+def test_only_the_gateway_cuts_stalled_clients_by_default() -> None:
+    """A replica's client is a gateway, which stops reading while its own client reads
+    slowly: with the gateway's 256 KiB of upstream buffer, a client taking 1 KB a second
+    left the replica nothing taken for minutes, and a replica with the gateway's timeout
+    cut a stream the gateway was still relaying (measured at 2 s: cut 16 s into a client
+    reading 7 KB/s)."""
+    from gateway.cli import build_parser as gateway_parser
+    from prefixgate.http_limits import http_limits_from_args
+    from replica.cli import build_parser as replica_parser
+
+    replica = http_limits_from_args(replica_parser().parse_args(["--model", "sim"]))
+    gateway = http_limits_from_args(gateway_parser().parse_args([]))
+    assert replica.send_timeout_s is None and gateway.send_timeout_s == 60.0
