@@ -1,8 +1,9 @@
 """Forwarding: pick a replica, send the original body, pass the answer back (raw ASGI).
 
 One attempt, and one retry on the next-best replica when the first fails before its first
-byte (connection refused, connect timeout, 5xx); not when it sent nothing for the whole
-read timeout (a 504: another replica would take as long). A request pinned to one
+byte (connection refused, connect timeout, 5xx, no answer in time from a replica that
+fails its probes); not when a replica that passes them sent nothing for the whole read
+timeout (a 504: another replica would take as long). A request pinned to one
 replica (the Responses API's stateful turns: only that replica holds what they refer to)
 gets one attempt there. After the first byte the answer is committed: a stream that
 breaks ends with an SSE error event, never a silent truncation. Closing an unfinished
@@ -76,6 +77,7 @@ class UpstreamFailure(NamedTuple):
     body: bytes
     message: str
     kind: str | None = None
+    retry: bool = True  # whether another replica may be tried
 
 
 async def forward(state: GatewayState, ex: Exchange, request: Forward, send: Send) -> None:
@@ -133,10 +135,7 @@ async def _forward(
         if outcome is None:
             return
         failure = outcome
-        if failure.kind == READ_TIMEOUT:
-            # The replica had it for the whole timeout, and another would take as long:
-            # tried again, a long answer that is not streamed cost two replicas the
-            # timeout each, and then failed anyway.
+        if not failure.retry:
             break
     await send_failure(send, failure, ex)
 
@@ -154,11 +153,16 @@ async def _attempt(
     except UpstreamError as exc:
         if exc.kind in (POOL_TIMEOUT, OUT_OF_FILES):
             attempt.not_sent()
-        elif exc.kind == READ_TIMEOUT:
+        elif exc.kind == READ_TIMEOUT and _healthy(state, rid):
+            # Alive (its probes answer) and still working on it: a long answer that is not
+            # streamed. Another replica would take as long: tried again, it cost two
+            # replicas the timeout each and then failed anyway, blamed on both. A replica
+            # that is hung fails its probes, and is retried away from as before.
             attempt.timed_out()
             state.metrics.upstream_failure(rid, exc.kind)
             waited = f"{state.config.upstream_timeout_s:g} s"
-            return UpstreamFailure(None, b"", f"replica {rid} sent nothing in {waited}", exc.kind)
+            message = f"replica {rid} sent nothing in {waited}"
+            return UpstreamFailure(None, b"", message, exc.kind, retry=False)
         else:
             attempt.fail()
         state.metrics.upstream_failure(rid, exc.kind)
@@ -182,6 +186,11 @@ async def _attempt(
         await response.close()
 
 
+def _healthy(state: GatewayState, replica_id: str) -> bool:
+    view = state.router.replicas.get(replica_id)
+    return view is not None and view.healthy
+
+
 async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
     """After the retry: the last 5xx as it came (OpenAI-shaped), 503 with Retry-After
     when the last replica tried had no free connection in time or the gateway had no file
@@ -198,7 +207,7 @@ async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> No
         )
         await send_json(send, 503, body, ex, {"Retry-After": RETRY_AFTER_S})
         return
-    if failure.kind == READ_TIMEOUT:
+    if failure.kind == READ_TIMEOUT and not failure.retry:
         body = error_body(
             f"No answer in time ({failure.message}, the gateway's --upstream-timeout-s)."
             " A long answer should be streamed, or that timeout raised.",

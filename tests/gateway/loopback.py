@@ -86,6 +86,7 @@ class Replica:
     on_post: PostHandler = answer_ok
     model: str = "m"
     more_models: list[dict[str, Any]] = field(default_factory=list)  # /v1/models cards
+    healthy: bool = True  # False: GET /health answers 503
     posts: list[Request] = field(default_factory=list)
     connections: int = 0
     open_connections: int = 0
@@ -119,7 +120,10 @@ class Replica:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 if request.method == "GET" and request.path == "/health":
-                    w.write(answer(200, b'{"status":"ok"}'))
+                    ok = self.healthy
+                    w.write(
+                        answer(200 if ok else 503, b'{"status":"%s"}' % (b"ok" if ok else b"down"))
+                    )
                 elif request.method == "GET" and request.path == "/v1/models":
                     cards = [{"id": self.model}, *self.more_models]
                     w.write(answer(200, json.dumps({"data": cards}).encode()))

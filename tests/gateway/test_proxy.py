@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 
 import httpx
@@ -141,6 +142,48 @@ def test_no_answer_within_the_timeout_is_a_504_not_retried_nor_blamed() -> None:
             assert metric(state, "prefixgate_gateway_upstream_failures_total{") == 1
         for replica in slow:
             replica.close()
+
+    run(main())
+
+
+def _posts_reach(a: Replica, b: Replica, count: int) -> bool:
+    return len(a.posts) + len(b.posts) == count
+
+
+async def never_answer(request: Request, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    await r.read()  # holds the request until the gateway drops the connection
+
+
+def test_no_answer_in_time_from_a_replica_failing_its_probes_is_retried() -> None:
+    """A hung replica (its probes fail too) is not a long answer: the request goes to
+    another replica, as before the 504."""
+
+    async def main() -> None:
+        hung = await Replica(never_answer).start()
+        good = await Replica().start()
+        async with (
+            running_gateway([hung, good], policy="round_robin", upstream_timeout_s=2.0) as (
+                url,
+                state,
+            ),
+            httpx.AsyncClient() as client,
+        ):
+            for sent in range(1, 3):  # round robin: the hung one comes first once
+                request = asyncio.create_task(client.post(url + "/v1/completions", json=BODY))
+                posts = partial(_posts_reach, hung, good, sent)
+                await wait_until_async(posts, what=f"request {sent} at a replica")
+                if hung.posts:
+                    hung.healthy = False  # it hangs: its probes fail now too
+                r = await request
+                assert r.status_code == 200, r.text
+                assert r.headers["x-prefixgate-replica"] == good.replica_id
+                if hung.posts:
+                    break
+            assert len(hung.posts) == 1
+            assert r.headers["x-prefixgate-route"].endswith("retries=1")
+            assert in_flight(state) == 0
+        hung.close()
+        good.close()
 
     run(main())
 
