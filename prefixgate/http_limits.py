@@ -136,7 +136,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refusal: tuple[int, str] | None = None
         self._over_cap = False  # beyond max_connections: answered 503 once its request comes
         self._send_stall: asyncio.TimerHandle | None = None  # armed while writing is paused
-        self._unsent = 0  # bytes in the write buffer when that timer was armed
+        self._unsent = 0  # bytes not yet taken by the client (buffer and kernel queue) at arming
 
     # ------------------------------------------------------------------ transport events
 
