@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import math
 from pathlib import Path
@@ -61,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="JSON/YAML: key -> {tenant, cache_salt, shared_namespace}; without it the "
         "gateway is open with one shared cache namespace",
+    )
+    add_env_flag(
+        p,
+        "allowed-origins",
+        default='["*"]',
+        help="browser origins allowed to call the gateway (CORS), as vLLM's flag: a JSON "
+        'list, or comma-separated; default ["*"] as vLLM, SGLang and LiteLLM; [] for none',
     )
     add_env_list_flag(p, "model", help="model assumed for static replicas that do not say")
     add_env_flag(p, "tokenizer", help="tokenizer for every model")
@@ -130,6 +138,39 @@ def chat_template_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]
     return every, per_model
 
 
+def allowed_origins(value: str) -> list[str]:
+    """``--allowed-origins``: a JSON list of origins, or comma-separated ones."""
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            origins = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--allowed-origins {value!r}: not a JSON list ({exc})") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError(f"--allowed-origins {value!r}: a JSON list of strings, please")
+        return [o.strip() for o in origins if o.strip()]
+    return [o.strip() for o in text.split(",") if o.strip()]
+
+
+def with_cors(app: Any, origins: list[str]) -> Any:
+    """``app`` answering browsers' CORS preflights and marking its answers for
+    ``origins`` (unchanged when there are none). Outermost, so that a preflight (no
+    Authorization header) is answered before any check, and errors carry the headers
+    too, or a browser hides them from the page. A request without an Origin header (any
+    client but a browser) passes straight through."""
+    if not origins:
+        return app
+    from starlette.middleware.cors import CORSMiddleware
+
+    return CORSMiddleware(
+        app,
+        allow_origins=origins,
+        allow_methods=["*"],
+        allow_headers=["*"],
+        expose_headers=["x-prefixgate-replica", "x-prefixgate-route", "x-request-id"],
+    )
+
+
 def _memo_bytes(mb: float) -> int:
     if not math.isfinite(mb) or mb < 0:
         raise ValueError(f"--key-memo-mb must be a number of MiB >= 0, got {mb}")
@@ -169,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         # Two descriptors per client: its connection and the pooled one to its replica.
         open_files = prepare_open_files(fds_per_connection=2)
         limits = http_limits_from_args(args, open_files.max_connections)
+        origins = allowed_origins(args.allowed_origins)
         if not (math.isfinite(args.keep_alive_s) and args.keep_alive_s > 0):
             raise ValueError(f"--keep-alive-s must be a positive number, got {args.keep_alive_s}")
         # Keyed mode refuses POST bodies that are not JSON: a browser's cross-site
@@ -186,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.app import create_app
 
     uvicorn.run(
-        Guard(create_app(config), guard),
+        with_cors(Guard(create_app(config), guard), origins),
         host=config.host,
         port=config.port,
         log_level=args.log_level,
