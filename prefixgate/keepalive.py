@@ -2,11 +2,13 @@
 
 A peer whose host vanished (a node lost, a partition) sends neither FIN nor RST, so a
 connection to it looks open for as long as nothing is sent on it: a gateway waited out
-its read timeout (600 s) for a replica that was gone, and a replica decoded to
-``max_tokens`` for a gateway or client that was gone. Keepalive probes are answered by
+its read timeout (600 s) for a replica that was gone, and a replica decoded a whole
+answer to ``max_tokens`` for a gateway that was gone. Keepalive probes are answered by
 the peer's kernel however busy the process is, so only a host that is gone fails them:
 a connection idle this long is probed, and ends after that many probes go unanswered,
-~25 s after its last byte.
+~25 s after its last byte. A connection with data unacknowledged is not probed (the
+kernel retransmits it instead, for ~15 minutes): a stream to a vanished peer goes on
+until then, or until the gateway's send timeout (prefixgate/http_limits.py).
 """
 
 from __future__ import annotations
