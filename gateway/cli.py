@@ -207,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-        # Two descriptors per client: its connection and the pooled one to its replica.
-        open_files = prepare_open_files(fds_per_connection=2)
-        limits = http_limits_from_args(args, open_files.max_connections)
         origins = allowed_origins(args.allowed_origins)
         if not (math.isfinite(args.keep_alive_s) and args.keep_alive_s > 0):
             raise ValueError(f"--keep-alive-s must be a positive number, got {args.keep_alive_s}")
+        # Checked before this, which changes the process: two descriptors per client,
+        # its connection and the pooled one to its replica.
+        open_files = prepare_open_files(fds_per_connection=2)
+        limits = http_limits_from_args(args, open_files.max_connections)
         # Keyed mode refuses POST bodies that are not JSON: a browser's cross-site
         # "simple" request (text/plain, form types) is never served.
         guard = GuardConfig(config.max_body_bytes, require_json=config.api_keys_path is not None)
