@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 
+from bridge.engine_auth import add_engine_api_key_flag, engine_api_key
 from bridge.media import parse_medium_flag
 from bridge.service import Bridge, BridgeConfig
 from prefixgate.envflags import add_env_flag, add_env_list_flag
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(p, "engine-url", help="the engine's OpenAI server, e.g. http://10.0.0.5:8000")
     add_env_flag(p, "kv-events", help="the engine's event PUB endpoint, e.g. tcp://10.0.0.5:5557")
     add_env_flag(p, "replay", help="the engine's replay endpoint, e.g. tcp://10.0.0.5:5558")
+    add_engine_api_key_flag(p)
     add_env_flag(p, "topic", default="", help="the engine's event topic")
     add_env_flag(p, "redis-url", default="redis://127.0.0.1:6379/0", help="Redis to publish to")
     add_env_flag(p, "replica-id", help="id in Redis (default: host:port of the advertised URL)")
@@ -83,6 +85,7 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
     if args.block_size <= 0:
         parser.error("--block-size must be positive")
     try:
+        key = engine_api_key(args.engine_api_key)
         media = dict(parse_medium_flag(value) for value in args.medium)
         template = None
         if args.chat_template:  # imported here: the tokenizer stack costs ~0.2 s to load
@@ -96,6 +99,7 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
     )
     return BridgeConfig(
         engine_url=args.engine_url,
+        engine_api_key=key,
         kv_events=args.kv_events,
         redis_url=args.redis_url,
         replay=args.replay,

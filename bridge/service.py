@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from bridge.engine_auth import engine_headers
 from bridge.engine_load import parse_load
 from bridge.follower import EventFollower
 from bridge.media import MediumMap
@@ -42,6 +43,7 @@ class BridgeConfig:
     engine_url: str
     kv_events: str
     redis_url: str
+    engine_api_key: str | None = field(default=None, repr=False)  # the engine's --api-key
     replay: str | None = None
     topic: str = ""
     model: str | None = None  # the served model name; None: the engine's first /v1/models
@@ -68,6 +70,11 @@ class BridgeConfig:
         return self.replica_id or urlsplit(self.url).netloc or self.url
 
 
+def _refused(exc: Exception) -> bool:
+    """Whether the engine turned the request away for want of its API key."""
+    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in (401, 403)
+
+
 @dataclass(slots=True)
 class BridgeStats:
     tokenizer_ok: bool | None = None  # None: not checked (yet)
@@ -84,7 +91,9 @@ class Bridge:
         self._wake = asyncio.Event()
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._http = httpx.AsyncClient(timeout=config.http_timeout_s)
+        self._http = httpx.AsyncClient(
+            timeout=config.http_timeout_s, headers=engine_headers(config.engine_api_key)
+        )
         self.stats = BridgeStats()
 
     # ----------------------------------------------------------------------- lifecycle
@@ -144,9 +153,22 @@ class Bridge:
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                 if time.monotonic() >= next_note:
                     waited = time.monotonic() - started
-                    log.info(
-                        "waiting for engine %s (%.0f s): %s", self.config.engine_url, waited, exc
-                    )
+                    if _refused(exc):  # waiting will not help: say which flag will
+                        log.warning(
+                            "engine %s refused GET /v1/models (%s): %s",
+                            self.config.engine_url,
+                            exc,
+                            "it does not take --engine-api-key"
+                            if self.config.engine_api_key is not None
+                            else "start the bridge with --engine-api-key (or VLLM_API_KEY)",
+                        )
+                    else:
+                        log.info(
+                            "waiting for engine %s (%.0f s): %s",
+                            self.config.engine_url,
+                            waited,
+                            exc,
+                        )
                     next_note += 30.0
                 await backoff.wait()
 
@@ -228,7 +250,8 @@ class Bridge:
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, source, self.config.chat_template)
             await self._wait_for_model()  # the engine may still be starting (minutes)
-            results = await check(self.config.engine_url, tokenizer, self.config.model)
+            c = self.config
+            results = await check(c.engine_url, tokenizer, c.model, api_key=c.engine_api_key)
         except Exception as exc:  # a failed check must not stop the bridge
             log.warning("tokenizer parity with the engine not checked (%s)", exc)
             return

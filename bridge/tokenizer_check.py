@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from bridge.engine_auth import add_engine_api_key_flag, engine_api_key, engine_headers
 from prefixgate.envflags import add_env_flag
 from prefixgate.segments import SegmentCache
 from prefixgate.tokenizer import ChatTokenizer, read_chat_template_file
@@ -103,11 +104,12 @@ async def check(
     model: str | None = None,
     cases: dict[str, Chat] = CASES,
     timeout_s: float = 30.0,
+    api_key: str | None = None,
 ) -> list[CaseResult]:
     """One result per case; an engine that cannot tokenize a case fails that case."""
     engine_url = engine_url.rstrip("/")
     results = []
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, headers=engine_headers(api_key)) as client:
         served = model or await engine_model_name(client, engine_url)
         for name, chat in cases.items():
             ours = tokenizer.encode_chat(chat, add_generation_prompt=True)
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p, "served-model", help="model name to send the engine (default: its first /v1/models)"
     )
+    add_engine_api_key_flag(p)
     add_env_flag(
         p,
         "chat-template",
@@ -164,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.engine_url or not args.model:
         parser.error("--engine-url and --model are required")
     try:
+        key = engine_api_key(args.engine_api_key)
         template = read_chat_template_file(args.chat_template) if args.chat_template else None
         tokenizer = load_tokenizer(args.model, template)
-        results = asyncio.run(check(args.engine_url, tokenizer, args.served_model))
+        results = asyncio.run(check(args.engine_url, tokenizer, args.served_model, api_key=key))
     except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
         print(f"prefixgate check-tokenizer: {exc}", file=sys.stderr)
         return 2

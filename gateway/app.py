@@ -49,9 +49,12 @@ log = logging.getLogger("prefixgate.gateway")
 
 
 def make_client(config: GatewayConfig) -> httpx.AsyncClient:
-    """The client for probes and model discovery (a few requests a second at most)."""
+    """The client for probes and model discovery (a few requests a second at most); it
+    carries the --upstream-api-key: a keyed vLLM or SGLang guards ``/v1/models``."""
     timeout = httpx.Timeout(config.probe_timeout_s, connect=config.connect_timeout_s)
-    return httpx.AsyncClient(timeout=timeout, trust_env=False)
+    key = config.upstream_api_key
+    headers = {"authorization": f"Bearer {key}"} if key is not None else None
+    return httpx.AsyncClient(timeout=timeout, trust_env=False, headers=headers)
 
 
 class GatewayApp:

@@ -27,7 +27,8 @@ failure count, nor close its half-open breaker). A request that never reached th
 (``not_sent()``: no free connection in time) gives the breaker no verdict at all, and
 neither does one that outlasted the gateway's wait for its answer (``timed_out()``): a
 long answer that is not streamed comes whole at its end, so the time says more about the
-request than the replica, whose health the probes judge. A 5xx
+request than the replica, whose health the probes judge. Nor does a 401 to the gateway's
+own API key (``refused()``): a configuration to fix, not a failing replica. A 5xx
 answer (``server_error()``) gives none at the finish either: whose fault it was depends
 on the request's other attempts, and ``settle_server_errors`` decides once they are over
 (router/health.py, ``attempt_verdicts``: a 5xx that another replica also gave is the
@@ -54,11 +55,11 @@ class Attempt:
         "failed",
         "finished",
         "first_byte_at",
+        "no_verdict",
         "replica_id",
         "sent",
         "server_errored",
         "started",
-        "timed_out_waiting",
     )
 
     def __init__(self, router: Router, decision: Decision) -> None:
@@ -72,7 +73,7 @@ class Attempt:
         self.sent = True
         self.server_errored = False
         self.abandoned = False  # left by an exception that is not the replica's doing
-        self.timed_out_waiting = False  # no answer within the gateway's read timeout
+        self.no_verdict = False  # timed out, or refused the gateway's credentials
         self.first_byte_at: float | None = None  # perf_counter() at the answer's head
 
     def __enter__(self) -> Attempt:
@@ -124,7 +125,12 @@ class Attempt:
 
     def timed_out(self) -> None:
         """No answer came within the gateway's read timeout: no verdict (see above)."""
-        self.timed_out_waiting = True
+        self.no_verdict = True
+
+    def refused(self) -> None:
+        """The replica refused the gateway's own credentials (a 401 to its API key): a
+        fault of the gateway's configuration, which says nothing of the replica's health."""
+        self.no_verdict = True
 
     def not_sent(self) -> None:
         """The request never reached the replica: nothing to judge it by."""
@@ -139,7 +145,7 @@ class Attempt:
         unjudged = (
             self.server_errored
             or not self.sent
-            or self.timed_out_waiting
+            or self.no_verdict
             or (self.abandoned and not self.failed)
         )
         verdict = None if unjudged else not self.failed

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_env_flag(
         p,
+        "upstream-api-key",
+        metavar="KEY",
+        help="the API key of replicas started with --api-key (vLLM, SGLang): sent to every "
+        "replica in place of the client's Authorization; without it an open gateway "
+        "forwards the client's own",
+    )
+    add_env_flag(
+        p,
         "allowed-origins",
         default='["*"]',
         help="browser origins allowed to call the gateway (CORS), as vLLM's flag: a JSON "
@@ -171,6 +179,16 @@ def with_cors(app: Any, origins: list[str]) -> Any:
     )
 
 
+def upstream_api_key(value: str | None) -> str | None:
+    """The --upstream-api-key, or None when empty; it goes into a header line, so a
+    control character (a newline pasted with it) is refused rather than sent."""
+    if not value:
+        return None
+    if not (value.isascii() and value.isprintable()) or value != value.strip():
+        raise ValueError("--upstream-api-key: printable ASCII only, no surrounding spaces")
+    return value
+
+
 def _memo_bytes(mb: float) -> int:
     if not math.isfinite(mb) or mb < 0:
         raise ValueError(f"--key-memo-mb must be a number of MiB >= 0, got {mb}")
@@ -187,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         policy=args.policy,
         router=with_options(RouterConfig(), args.router_option),
         api_keys_path=Path(args.api_keys) if args.api_keys else None,
+        upstream_api_key=upstream_api_key(args.upstream_api_key),
         models=args.model,
         tokenizer=args.tokenizer,
         chat_template=chat_template,

@@ -21,6 +21,9 @@ class GatewayConfig:
     # The router's thresholds (router/config.py), each with its documented default.
     router: RouterConfig = field(default_factory=RouterConfig)
     api_keys_path: Path | None = None
+    # The key the gateway sends its replicas (a vLLM or SGLang started with --api-key) in
+    # place of the client's Authorization; None: open mode forwards the client's own.
+    upstream_api_key: str | None = field(default=None, repr=False)
     # Model names assumed for static replicas that have not (yet) said what they serve.
     models: list[str] = field(default_factory=list)
     # Tokenizer for every model (overrides the per-model lookup by name).

@@ -146,7 +146,7 @@ async def _serve(
         model=route_model,
         path=path,
         body=raw,
-        headers=forward_headers(headers, ex.request_id, state.auth.open),
+        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
         stream=parsed.stream,
     )
     await forward_watched(state, ex, request, receive, send)

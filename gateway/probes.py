@@ -91,14 +91,35 @@ def served_names(cards: object) -> Served | None:
     return Served(model, names)
 
 
-async def fetch_models(client: httpx.AsyncClient, url: str, timeout: float) -> Served | None:
-    """What a server serves (``served_names``); None when it does not answer."""
+async def fetch_models(state: GatewayState, url: str) -> Served | None:
+    """What a server serves (``served_names``); None when it does not answer. A server
+    that refuses the gateway its list (a vLLM or SGLang started with --api-key guards
+    ``/v1/models``) is named in a warning once, with the flag that fixes it: meanwhile
+    its model is unknown, so its prompts cannot be matched to its cache."""
     try:
-        response = await client.get(url + "/v1/models", timeout=timeout)
-        if response.status_code != 200:
-            return None
+        response = await state.client.get(url + "/v1/models", timeout=state.config.probe_timeout_s)
+    except (httpx.HTTPError, httpx.InvalidURL):
+        return None
+    if response.status_code in (401, 403):
+        if url not in state.refused_urls:
+            state.refused_urls.add(url)
+            given = state.config.upstream_api_key is not None
+            log.warning(
+                "replica %s refused GET /v1/models (HTTP %d): %s",
+                url,
+                response.status_code,
+                "it does not take the gateway's --upstream-api-key"
+                if given
+                else "it wants an API key; start the gateway with --upstream-api-key "
+                "(env PREFIXGATE_UPSTREAM_API_KEY)",
+            )
+        return None
+    state.refused_urls.discard(url)
+    if response.status_code != 200:
+        return None
+    try:
         return served_names(response.json().get("data"))
-    except (httpx.HTTPError, ValueError, AttributeError):
+    except (ValueError, AttributeError):
         return None
 
 
@@ -121,8 +142,7 @@ async def refresh_names(state: GatewayState, fetched_at: dict[str, float]) -> No
         for v in state.router.replicas.values()
         if v.model and now - fetched_at.get(v.replica_id, -NAMES_REFRESH_S) >= NAMES_REFRESH_S
     ]
-    timeout = state.config.probe_timeout_s
-    found = await asyncio.gather(*(fetch_models(state.client, v.url, timeout) for v in due))
+    found = await asyncio.gather(*(fetch_models(state, v.url) for v in due))
     for view, served in zip(due, found, strict=True):
         if served is None:
             continue  # no answer: what it served before stands
@@ -142,8 +162,7 @@ async def add_static_replicas(state: GatewayState) -> list[str]:
     """Add every ``--replica``; returns the URLs whose model is still unknown."""
     config = state.config
     fallback = config.models[0] if config.models else ""
-    timeout = config.probe_timeout_s
-    found = await asyncio.gather(*(fetch_models(state.client, u, timeout) for u in config.replicas))
+    found = await asyncio.gather(*(fetch_models(state, u) for u in config.replicas))
     pending = []
     for url, served in zip(config.replicas, found, strict=True):
         if served is None:
@@ -161,7 +180,7 @@ async def learn_static_models(state: GatewayState, pending: list[str]) -> None:
     while waiting:
         await asyncio.sleep(state.config.probe_interval_s)  # the retry period
         for url in list(waiting):
-            served = await fetch_models(state.client, url, state.config.probe_timeout_s)
+            served = await fetch_models(state, url)
             if served is None:
                 continue
             waiting.remove(url)

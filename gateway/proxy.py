@@ -2,13 +2,14 @@
 
 One attempt, and one retry on the next-best replica when the first fails before its first
 byte (connection refused, connect timeout, 5xx, no answer in time from a replica that
-fails its probes); not when a replica that passes them sent nothing for the whole read
-timeout (a 504: another replica would take as long). A request pinned to one
-replica (the Responses API's stateful turns: only that replica holds what they refer to)
-gets one attempt there. After the first byte the answer is committed: a stream that
-breaks ends with an SSE error event, never a silent truncation. Closing an unfinished
-upstream answer drops its connection, which is how the replica learns that the
-client left (gateway/handler.py cancels the forwarding when that happens).
+fails its probes, a 401 to the gateway's own API key); not when a replica that passes
+them sent nothing for the whole read timeout (a 504: another replica would take as
+long). A request pinned to one replica (the Responses API's stateful turns: only that
+replica holds what they refer to) gets one attempt there. After the first byte the
+answer is committed: a stream that breaks ends with an SSE error event, never a silent
+truncation. Closing an unfinished upstream answer drops its connection, which is how the
+replica learns that the client left (gateway/handler.py cancels the forwarding when that
+happens).
 
 Each attempt runs inside an ``Attempt`` (gateway/attempt.py), the one place that tells
 the router a request started and finished.
@@ -50,6 +51,7 @@ DROPPED_HEADERS = frozenset(
     }
 )
 RETRY_AFTER_S = "1"
+UPSTREAM_AUTH = "upstream_auth"  # a replica refused the gateway's own credentials
 ATTEMPTS = 2  # the first replica, then the next best once
 
 
@@ -71,7 +73,7 @@ class Forward(NamedTuple):
 
 class UpstreamFailure(NamedTuple):
     """Why an attempt failed before its first byte: a 5xx answer (status, body), or no
-    answer (status None, ``kind`` names the failure)."""
+    answer the client can have (status None, ``kind`` names the failure)."""
 
     status: int | None
     body: bytes
@@ -169,6 +171,12 @@ async def _attempt(
         return UpstreamFailure(None, b"", f"replica {rid} failed: {exc.kind}", exc.kind)
     attempt.first_byte()
     try:
+        if response.status == 401 and state.vouches_upstream:
+            # The credentials were the gateway's, not the client's: the client did nothing
+            # wrong, and another replica may take them (a key being rotated).
+            attempt.refused()
+            state.metrics.upstream_failure(rid, "http_401")
+            return UpstreamFailure(None, b"", _refusal(state, rid), UPSTREAM_AUTH)
         if response.status >= 500:
             attempt.server_error()
             try:
@@ -186,6 +194,15 @@ async def _attempt(
         await response.close()
 
 
+def _refusal(state: GatewayState, replica_id: str) -> str:
+    if state.config.upstream_api_key is not None:
+        return f"replica {replica_id} refused the gateway's --upstream-api-key (HTTP 401)"
+    return (
+        f"replica {replica_id} requires an API key (HTTP 401); start the gateway with "
+        "--upstream-api-key (env PREFIXGATE_UPSTREAM_API_KEY)"
+    )
+
+
 def _healthy(state: GatewayState, replica_id: str) -> bool:
     view = state.router.replicas.get(replica_id)
     return view is not None and view.healthy
@@ -194,8 +211,9 @@ def _healthy(state: GatewayState, replica_id: str) -> bool:
 async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
     """After the retry: the last 5xx as it came (OpenAI-shaped), 503 with Retry-After
     when the last replica tried had no free connection in time or the gateway had no file
-    descriptor to spare, 504 when the replica sent nothing within the read timeout, or
-    502 if none answered."""
+    descriptor to spare, 504 when the replica sent nothing within the read timeout, 502
+    naming the flag to fix when it refused the gateway's credentials, or 502 if none
+    answered."""
     if failure.status is not None:
         await send_error_passthrough(send, failure.status, failure.body, ex)
         return
@@ -215,6 +233,14 @@ async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> No
             code="upstream_timeout",
         )
         await send_json(send, 504, body, ex)
+        return
+    if failure.kind == UPSTREAM_AUTH:
+        body = error_body(
+            f"The gateway's replicas refused its credentials: {failure.message}.",
+            type="server_error",
+            code="upstream_auth",
+        )
+        await send_json(send, 502, body, ex)
         return
     if failure.kind == POOL_TIMEOUT:
         body = error_body(
@@ -350,12 +376,10 @@ def split_complete_events(data: bytes) -> tuple[bytes, bytes]:
     return data[:end], data[end:]
 
 
-def forward_headers(
-    headers: dict[str, str], request_id: str, keep_authorization: bool
-) -> dict[str, str]:
-    """Headers sent upstream: the content type, the request id, and (open mode) the
-    client's Authorization, which a foreign backend may need."""
+def forward_headers(request_id: str, authorization: str | None) -> dict[str, str]:
+    """Headers sent upstream: the content type, the request id, and the Authorization a
+    keyed replica needs (``GatewayState.upstream_authorization``)."""
     out = {"content-type": "application/json", "x-request-id": request_id}
-    if keep_authorization and (authorization := headers.get("authorization")):
+    if authorization:
         out["authorization"] = authorization
     return out

@@ -136,7 +136,7 @@ async def _request(
         model=None,
         path=upstream_path + (f"?{query}" if query else ""),
         body=b"",
-        headers=forward_headers(headers, ex.request_id, state.auth.open),
+        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
         stream=parse_qs(query).get("stream") == ["true"],  # GET ?stream=true: events
         method=method,
         pinned=_pinned(state, owner),
@@ -168,7 +168,7 @@ async def _create(
         record=True,
         count_cached=req.previous_response_id is None,
     )
-    sent = forward_headers(headers, ex.request_id, state.auth.open)
+    sent = forward_headers(ex.request_id, state.upstream_authorization(headers))
     if req.previous_response_id is not None:
         owner = await _owner(state, req.previous_response_id, tenant.name, "previous_response_id")
         hooks.conversation = scoped(tenant, explicit) or owner.conversation

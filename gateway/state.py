@@ -37,6 +37,20 @@ class GatewayState:
     affinity: ResponseAffinity  # response id -> replica, for the Responses API
     sync: RedisSync | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
+
+    def upstream_authorization(self, headers: dict[str, str]) -> str | None:
+        """The Authorization sent upstream: the gateway's --upstream-api-key; else, in open
+        mode, the client's own (a keyed replica judges the client's key, as it would
+        without the gateway); else none (keyed mode: the client's key is the gateway's)."""
+        if self.config.upstream_api_key is not None:
+            return f"Bearer {self.config.upstream_api_key}"
+        return headers.get("authorization") if self.auth.open else None
+
+    @property
+    def vouches_upstream(self) -> bool:
+        """Whether a replica's 401 judges the gateway's credentials, not the client's."""
+        return self.config.upstream_api_key is not None or not self.auth.open
 
     def served_block_size(self, model: str) -> int | None:
         """Block size of a replica serving ``model``; None when no replica serves it."""

@@ -263,7 +263,9 @@ def bind_again(socket: zmq.Socket[bytes], endpoint: str, timeout_s: float = 10.0
 
 
 class FakeEngineHTTP:
-    """``/health``, ``/v1/models``, ``/metrics`` and ``/tokenize`` on a loopback port."""
+    """``/health``, ``/v1/models``, ``/metrics`` and ``/tokenize`` on a loopback port;
+    with ``api_key``, ``/v1`` paths want it as vLLM's ``--api-key`` does (a 401 without).
+    ``authorizations``: the Authorization header of each request, in order."""
 
     def __init__(
         self,
@@ -271,8 +273,11 @@ class FakeEngineHTTP:
         tokenize: Callable[[list[dict[str, str]]], list[int]] | None = None,
         metrics: str = "",
         port: int = 0,
+        api_key: str | None = None,
     ) -> None:
         self.model = model
+        self.api_key = api_key
+        self.authorizations: list[str | None] = []
         self.tokenize = tokenize
         self.metrics = metrics
         self.requests: list[str] = []
@@ -297,9 +302,21 @@ class FakeEngineHTTP:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def refused(self) -> bool:
+                engine.authorizations.append(self.headers.get("authorization"))
+                wanted = f"Bearer {engine.api_key}"
+                if engine.api_key is None or not self.path.startswith("/v1"):
+                    return False
+                if self.headers.get("authorization") == wanted:
+                    return False
+                self._reply(401, b'{"error":"Unauthorized"}')
+                return True
+
             def do_GET(self) -> None:
                 engine.requests.append(self.path)
-                if self.path == "/health":
+                if self.refused():
+                    pass
+                elif self.path == "/health":
                     self._reply(200, b"")
                 elif self.path == "/v1/models":
                     data = {"object": "list", "data": [{"id": engine.model, "object": "model"}]}

@@ -8,11 +8,16 @@ figures measure the gateway. Its answers are fixed text; flags make it fail on p
     python -m tests.support.stub_backend --port P [--model NAME] [--fail-status 500]
         [--fail-body TEXT] [--fail-on TEXT] [--break-after N] [--chunks N]
         [--delay-ms MS] [--health-status 503] [--alias NAME ...] [--lora NAME ...]
+        [--api-key KEY]
 
 ``--fail-on TEXT`` fails only the requests whose body contains TEXT (a poison request;
 with ``--fail-status`` or 500); ``--health-status`` is what ``GET /health`` answers.
 ``--alias`` and ``--lora`` add names to ``/v1/models`` as vLLM lists them: another
 ``--served-model-name``, and a LoRA adapter (a card whose ``parent`` is the model).
+
+``--api-key`` guards every ``/v1`` path as vLLM's ``--api-key`` does: a request without
+``Authorization: Bearer KEY`` gets vLLM's 401 ``{"error": "Unauthorized"}``, and is
+remembered (path, method, status) among the requests below.
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -46,6 +51,7 @@ class StubConfig:
     remembered: int = 64
     aliases: list[str] = field(default_factory=list)
     loras: list[str] = field(default_factory=list)
+    api_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -58,7 +64,14 @@ class StubBackend:
             await _lifespan(receive, send)
             return
         path, method = scope["path"], scope["method"]
-        if method == "GET" and path == "/health":
+        if (
+            self.config.api_key is not None
+            and path.startswith("/v1")
+            and not self._authorized(scope)
+        ):
+            self._remember({"path": path, "method": method, "status": 401})
+            await _send(send, 401, b'{"error":"Unauthorized"}')
+        elif method == "GET" and path == "/health":
             ok = self.config.health_status == 200
             await _send(
                 send,
@@ -85,13 +98,20 @@ class StubBackend:
                 send, 404, json.dumps(_error("not found", "invalid_request_error")).encode()
             )
 
+    def _remember(self, request: dict[str, Any]) -> None:
+        self.requests.append(request)
+        while len(self.requests) > self.config.remembered:
+            self.requests.popleft()
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        return headers.get(b"authorization") == f"Bearer {self.config.api_key}".encode()
+
     async def _complete(self, scope: Scope, receive: Receive, send: Send, *, chat: bool) -> None:
         raw = await _read(receive)
         body = json.loads(raw)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        self.requests.append({"path": scope["path"], "body": body, "headers": headers})
-        while len(self.requests) > self.config.remembered:
-            self.requests.popleft()
+        self._remember({"path": scope["path"], "body": body, "headers": headers})
         c = self.config
         if c.delay_s:
             await asyncio.sleep(c.delay_s)  # simulated backend work
@@ -220,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--health-status", type=int, default=200)
     parser.add_argument("--alias", action="append", default=[])
     parser.add_argument("--lora", action="append", default=[])
+    parser.add_argument("--api-key")
     args = parser.parse_args(argv)
     config = StubConfig(
         model=args.model,
@@ -232,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         health_status=args.health_status,
         aliases=args.alias,
         loras=args.lora,
+        api_key=args.api_key,
     )
     import uvicorn
 

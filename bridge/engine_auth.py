@@ -1,0 +1,39 @@
+"""The engine's API key: a vLLM or SGLang started with ``--api-key`` answers 401 to
+``/v1/models`` (and SGLang to ``/tokenize``) without it, so a bridge or a tokenizer check
+that does not send it never learns the engine's model.
+
+``--engine-api-key`` (env ``PREFIXGATE_ENGINE_API_KEY``) names it; without the flag the
+key is ``VLLM_API_KEY``, the variable vLLM itself reads, so that a bridge started beside
+its engine with one environment needs nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from prefixgate.envflags import add_env_flag
+
+VLLM_KEY_VAR = "VLLM_API_KEY"
+
+
+def add_engine_api_key_flag(parser: argparse.ArgumentParser) -> None:
+    add_env_flag(
+        parser,
+        "engine-api-key",
+        metavar="KEY",
+        help=f"the engine's --api-key, sent with every request to it (default: ${VLLM_KEY_VAR})",
+    )
+
+
+def engine_api_key(value: str | None) -> str | None:
+    """The key to send: the flag's, else ``VLLM_API_KEY``'s, else None. It goes into a
+    header line, so a control character (a newline pasted with it) is refused."""
+    key = value or os.environ.get(VLLM_KEY_VAR) or None
+    if key is not None and (not (key.isascii() and key.isprintable()) or key != key.strip()):
+        raise ValueError("--engine-api-key: printable ASCII only, no surrounding spaces")
+    return key
+
+
+def engine_headers(key: str | None) -> dict[str, str] | None:
+    return {"authorization": f"Bearer {key}"} if key is not None else None

@@ -1,0 +1,100 @@
+"""An engine started with ``--api-key`` (vLLM guards every ``/v1`` path with it, SGLang
+every path but health and metrics): the bridge sends the key with each of its requests
+(``--engine-api-key``, else ``VLLM_API_KEY``). Without it the bridge never learned the
+engine's model, so the engine never became a replica, with nothing in the log but a
+note every 30 s that it was "waiting for engine"."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from bridge.cli import parse_args
+from bridge.service import Bridge, BridgeConfig
+from tests.bridge.cluster import make_engine
+from tests.bridge.fake_engine import VLLM_METRICS, FakeEngineHTTP
+from tests.conftest import RedisServer, wait_until_async
+
+pytestmark = pytest.mark.anyio
+
+KEY = "sk-engine-0123"
+
+
+@pytest.fixture
+def keyed_http() -> Iterator[FakeEngineHTTP]:
+    server = FakeEngineHTTP(model="keyed-model", metrics=VLLM_METRICS, api_key=KEY)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _config(http: FakeEngineHTTP, endpoint: str, redis_url: str, key: str | None) -> BridgeConfig:
+    return BridgeConfig(
+        http.url,
+        endpoint,
+        redis_url,
+        engine_api_key=key,
+        check_tokenizer=False,
+        heartbeat_s=0.1,
+        info_ttl_s=1.0,
+    )
+
+
+async def test_a_keyed_engine_becomes_a_replica_with_its_key(
+    keyed_http: FakeEngineHTTP, redis_server: RedisServer
+) -> None:
+    engine, endpoint = make_engine(16)
+    bridge = Bridge(_config(keyed_http, endpoint, redis_server.url, KEY))
+    engine.start()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        await asyncio.wait_for(bridge.start(), 10)
+        assert bridge.config.model == "keyed-model"  # read from the guarded /v1/models
+        rid = f"127.0.0.1:{keyed_http.port}"
+        await wait_until_async(
+            lambda: client.get(f"prefixgate:replica:{rid}"), 10, "registry record"
+        )
+        assert set(keyed_http.authorizations) == {f"Bearer {KEY}"}
+        assert KEY not in repr(bridge.config)  # the config is logged in places; the key not
+    finally:
+        client.close()
+        await bridge.stop()
+        engine.close()
+
+
+async def test_without_the_key_the_bridge_names_the_flag(
+    keyed_http: FakeEngineHTTP, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine, endpoint = make_engine(16)
+    bridge = Bridge(_config(keyed_http, endpoint, redis_server.url, None))
+    engine.start()
+    try:
+        with (
+            caplog.at_level(logging.INFO, logger="prefixgate.bridge"),
+            pytest.raises(TimeoutError),  # no model: it cannot become a replica
+        ):
+            await asyncio.wait_for(bridge.start(), 1.5)
+        refusals = [r for r in caplog.records if "refused GET /v1/models" in r.message]
+        assert refusals and refusals[0].levelno == logging.WARNING
+        assert "--engine-api-key" in refusals[0].message
+    finally:
+        await bridge.stop()
+        engine.close()
+
+
+def test_the_key_comes_from_the_flag_or_vllms_own_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = ["--engine-url", "http://127.0.0.1:1", "--kv-events", "tcp://127.0.0.1:2"]
+    monkeypatch.delenv("PREFIXGATE_ENGINE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert parse_args(base).engine_api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert parse_args(base).engine_api_key == "from-vllm"
+    assert parse_args([*base, "--engine-api-key", "from-flag"]).engine_api_key == "from-flag"
+    with pytest.raises(SystemExit):  # a newline pasted with it would split the header
+        parse_args([*base, "--engine-api-key", "sk-1\nx-injected: 1"])
