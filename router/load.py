@@ -16,6 +16,15 @@ several, each sees the others' requests as of the last heartbeat. The in-flight 
 a past time comes from a short log of this gateway's own changes (wall-clock stamped, as
 the replica's report is).
 
+The replica's clock is not this gateway's: hosts without NTP drift seconds apart. A
+report is read some time after it is made, from 0 to a poll interval, so ``read time −
+stamp`` is that delay plus the clocks' offset. The smallest of the last ``SKEW_REPORTS``
+is taken as the offset alone (as if the quickest read were instant) once it is beyond
+``SKEW_TOLERANCE_S`` either way, and every stamp is moved by it onto this gateway's
+clock; a smaller one cannot be told from a read that came late, so stamps are taken as
+they are (never later than now). A replica clock stepped back takes that many reports to
+be trusted again; one stepped forward, one.
+
 Queued prefill tokens follow the same split: this gateway's own are the predicted
 uncached tokens of its requests there that have not sent their first byte yet (less
 what the prompt being prefilled has computed, router/router.py); the others' are the
@@ -35,6 +44,8 @@ from typing import ClassVar
 from router.protocol import ReplicaLoad
 
 HISTORY_S = 10.0  # how far back the in-flight log reaches (reports older are stale anyway)
+SKEW_REPORTS = 16  # reports whose quickest read gives the replica's clock offset
+SKEW_TOLERANCE_S = 1.0  # a smaller offset is not told apart from a late read
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +77,8 @@ class LoadTracker:
     # the same pair before the oldest change kept.
     _log: deque[tuple[float, int, int]] = field(default_factory=deque)
     _before: tuple[int, int] = (0, 0)
+    # read time − stamp of the last reports: the smallest is the replica clock's offset
+    _lags: deque[float] = field(default_factory=lambda: deque(maxlen=SKEW_REPORTS))
 
     def started(self, tokens: int = 0) -> None:
         """A request sent there, predicted to compute ``tokens`` uncached tokens."""
@@ -105,20 +118,34 @@ class LoadTracker:
             value = (count, tokens)
         return value
 
-    def report(self, load: ReplicaLoad, at: float | None = None, drained: int = 0) -> None:
+    def report(
+        self,
+        load: ReplicaLoad,
+        at: float | None = None,
+        drained: Callable[[float], int] | None = None,
+    ) -> None:
         """The replica's report, stamped ``at`` (its wall clock; None: as of now). The
-        same record read again (same stamp) changes nothing. ``drained``: of this
-        gateway's queued tokens at that time, those the router takes as computed
-        already (the prompt being prefilled, router/router.py): not the others'."""
+        same record read again (same stamp) changes nothing. ``drained(t)``: of this
+        gateway's queued tokens at wall time ``t`` (the report's, on this clock), those
+        the router takes as computed already (the prompt being prefilled,
+        router/router.py): not the others'."""
         if at is not None and at == self.reported_at:
             return
         now = self.clock()
-        stamp = now if at is None or at > now else at
+        stamp = now if at is None else self._local(at, now)
         self.reported, self.reported_at = load, at
         count, tokens = self._at(stamp) if stamp < now else (self.in_flight, self.queued_tokens)
         self.others = max(0, load.running + load.waiting - count)
-        self.others_tokens = max(0, load.queued_prefill_tokens - (tokens - drained))
+        done = drained(stamp) if drained is not None else 0
+        self.others_tokens = max(0, load.queued_prefill_tokens - (tokens - done))
         self.others_until = stamp + self.report_ttl_s
+
+    def _local(self, at: float, now: float) -> float:
+        """A report's stamp ``at`` (the replica's clock), read at ``now``, on this
+        gateway's clock (the module's docstring)."""
+        self._lags.append(now - at)
+        offset = min(self._lags)
+        return min(now, at + offset if abs(offset) > SKEW_TOLERANCE_S else at)
 
     @property
     def fresh(self) -> bool:

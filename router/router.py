@@ -450,10 +450,12 @@ class Router:
         if view is not None:
             # The report counts what the replica had left of this gateway's prompts, so
             # what this gateway's view had drained by the report's time is not the
-            # others' (the stamp is the replica's wall clock, the drain the router's).
-            now = self.clock()
-            ago = max(0.0, view.load.clock() - at) if at is not None else 0.0
-            view.load.report(load, at, drained=self._drained(view, now - ago))
+            # others' (the report's time is on the load's wall clock, the drain's on the
+            # router's).
+            now, wall = self.clock(), view.load.clock()
+            view.load.report(
+                load, at, drained=lambda t: self._drained(view, now - max(0.0, wall - t))
+            )
             view.last_seen = now
 
     # ----------------------------------------------------------------------- index feed

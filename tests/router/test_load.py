@@ -64,6 +64,28 @@ def test_report_without_stamp_or_from_a_clock_ahead_counts_as_now() -> None:
     assert load.load == 1
 
 
+@pytest.mark.parametrize("skew_s", [-30.0, -2.0, 0.0, 2.0, 30.0])
+def test_a_replica_clock_off_by_seconds_reads_as_the_gateways(skew_s: float) -> None:
+    """Hosts without NTP drift seconds apart. A replica clock behind made every report
+    stale on arrival (the others' requests never counted) or, under the 3 s freshness,
+    compared the report with this gateway's count seconds earlier: with requests added
+    since, phantom load from other gateways that do not exist."""
+    clock = Clock()
+    load = LoadTracker(report_ttl_s=3.0, clock=clock)
+    rng = random.Random(7)
+    for second in range(20):  # heartbeats once a second, read 0-0.5 s after they are made
+        made = clock.now
+        clock.now += rng.uniform(0.0, 0.5)
+        load.report(ReplicaLoad(running=second + 2), at=made + skew_s)
+        load.started()  # this gateway: one more request there each second
+        clock.now = made + 1.0
+    # 20 of ours; the last report says 21 running when ours were 20: one other's.
+    made = clock.now
+    clock.now += 0.3
+    load.report(ReplicaLoad(running=21), at=made + skew_s)
+    assert load.others == 1 and load.load == 21
+
+
 def test_in_flight_log_answers_for_past_times_and_stays_short() -> None:
     clock = Clock()
     load = LoadTracker(clock=clock)
