@@ -29,6 +29,7 @@ from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.metrics import GatewayMetrics
+from gateway.passthrough import PASSTHROUGH_PATHS, serve_passthrough
 from gateway.probes import (
     add_static_replicas,
     learn_static_models,
@@ -71,6 +72,8 @@ class GatewayApp:
             await serve_completion(self.state, scope, receive, send, scope["path"])
         elif scope["type"] == "http" and is_responses_path(scope["path"]):
             await serve_responses(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in PASSTHROUGH_PATHS:
+            await serve_passthrough(self.state, scope, receive, send)
         else:
             await self.fallback(scope, receive, send)
 

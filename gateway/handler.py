@@ -50,13 +50,7 @@ async def serve_completion(
     state: GatewayState, scope: Scope, receive: Receive, send: Send, path: str
 ) -> None:
     endpoint, schema = HOT_PATHS[path]
-    # ASGI servers hand header names lowercased; latin-1 is HTTP's byte-for-byte decoding.
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-    ex = Exchange(
-        request_id=headers.get("x-request-id") or os.urandom(16).hex(),  # uuid4: 4x the cost
-        endpoint=endpoint,
-        started=time.perf_counter(),
-    )
+    headers, ex = open_exchange(scope, endpoint)
     if scope["method"] != "POST":
         not_allowed = OpenAIError(
             f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": "POST"}
@@ -64,6 +58,19 @@ async def serve_completion(
         await answer(state, ex, send, _raise(not_allowed))
         return
     await answer(state, ex, send, _serve(state, headers, receive, send, ex, schema, path))
+
+
+def open_exchange(scope: Scope, endpoint: str) -> tuple[dict[str, str], Exchange]:
+    """A request's headers and its ``Exchange`` (the log line and metrics it ends in),
+    with the client's request id or a new one."""
+    # ASGI servers hand header names lowercased; latin-1 is HTTP's byte-for-byte decoding.
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    ex = Exchange(
+        request_id=headers.get("x-request-id") or os.urandom(16).hex(),  # uuid4: 4x the cost
+        endpoint=endpoint,
+        started=time.perf_counter(),
+    )
+    return headers, ex
 
 
 async def answer(state: GatewayState, ex: Exchange, send: Send, serve: Awaitable[None]) -> None:

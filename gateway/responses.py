@@ -36,15 +36,13 @@ history (or, with an engine that ignores an unknown id, answer as if there were 
 from __future__ import annotations
 
 import json
-import os
-import time
 from urllib.parse import parse_qs, quote
 
 from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Tenant
 from gateway.exchange import Exchange
-from gateway.handler import answer, forward_watched, read_body, unknown_model
+from gateway.handler import answer, forward_watched, open_exchange, read_body, unknown_model
 from gateway.proxy import Forward, forward_headers
 from gateway.response_affinity import AffinityUnavailable, Owner
 from gateway.responses_hooks import ResponsesHooks
@@ -63,13 +61,9 @@ def is_responses_path(path: str) -> bool:
 
 
 async def serve_responses(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
     path: str = scope["path"]
     method: str = scope["method"]
-    endpoint = "responses" if path == PREFIX else "responses_by_id"
-    ex = Exchange(
-        headers.get("x-request-id") or os.urandom(16).hex(), endpoint, time.perf_counter()
-    )
+    headers, ex = open_exchange(scope, "responses" if path == PREFIX else "responses_by_id")
     await answer(state, ex, send, _serve(state, headers, receive, send, ex, path, method, scope))
 
 

@@ -116,7 +116,7 @@ def encode_within(
 
 def job_from_chat(body: object, replica: Replica) -> Job:
     req = parse_request(ChatCompletionRequest, body)
-    model = _check_model(req.model, replica)
+    model = check_model(req.model, replica)
     parse_tools = _tool_choice(req, replica)
     _check_response_format(req)
     chat = chat_input(req)
@@ -204,7 +204,7 @@ def _warn_tools_ignored(model: str, replica: Replica) -> None:
 
 def job_from_completion(body: object, replica: Replica) -> Job:
     req = parse_request(CompletionRequest, body)
-    model = _check_model(req.model, replica)
+    model = check_model(req.model, replica)
     prompt = req.single_prompt()
     tokenizer = replica.loaded.tokenizer
     if isinstance(prompt, str):
@@ -214,7 +214,7 @@ def job_from_completion(body: object, replica: Replica) -> Job:
         prompt_ids = encode_within(tokenizer.encode, prompt, max_context, "prompt")
         prompt_text = prompt
     else:
-        _check_in_vocab(prompt, _vocab_size(replica), "prompt")
+        check_in_vocab(prompt, _vocab_size(replica), "prompt")
         prompt_ids = list(prompt)
         prompt_text = tokenizer.decode(prompt_ids) if req.echo else ""
     params = _sampling(req, req.max_new_tokens, len(prompt_ids), replica, "prompt")
@@ -232,7 +232,7 @@ def job_from_completion(body: object, replica: Replica) -> Job:
     )
 
 
-def _check_model(name: str, replica: Replica) -> str:
+def check_model(name: str, replica: Replica) -> str:
     if name not in replica.model_ids:
         raise OpenAIError(
             f"The model `{name}` does not exist on this replica; it serves "
@@ -264,8 +264,8 @@ def _sampling(
         )
     vocab = _vocab_size(replica)
     logit_bias = req.logit_bias_ids
-    _check_in_vocab(list(logit_bias), vocab, "logit_bias")
-    _check_in_vocab(req.stop_token_ids or [], vocab, "stop_token_ids")
+    check_in_vocab(list(logit_bias), vocab, "logit_bias")
+    check_in_vocab(req.stop_token_ids or [], vocab, "stop_token_ids")
     max_context = int(replica.loaded.max_context)
     if n_prompt >= max_context:
         raise OpenAIError(
@@ -300,7 +300,7 @@ def _sampling(
     )
 
 
-def _check_in_vocab(token_ids: list[int], vocab: int, param: str) -> None:
+def check_in_vocab(token_ids: list[int], vocab: int, param: str) -> None:
     bad = next((t for t in token_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise OpenAIError(

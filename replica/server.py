@@ -29,6 +29,7 @@ from replica.jobs import job_from_chat, job_from_completion, off_loop_if_large
 from replica.respond import run_job
 from replica.responses import add_response_routes
 from replica.state import Replica
+from replica.tokenize_api import add_tokenize_routes
 
 log = logging.getLogger("prefixgate.replica.server")
 
@@ -168,6 +169,7 @@ def create_app(replica: Replica) -> FastAPI:
         return await run_job(job, request, replica)
 
     add_response_routes(app, replica)
+    add_tokenize_routes(app, replica)
     return app
 
 

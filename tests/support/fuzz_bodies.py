@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 MODEL = "tiny-random"
 VOCAB = 49_152  # SmolLM2's tokenizer, which tiny-random shares
 CLIENT_TIMEOUT_S = 10.0  # no honest answer here takes more than a fraction of this
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize")
 
 
 @dataclass(slots=True)
@@ -214,7 +214,7 @@ def valid_mutated(draw: st.DrawFn, path: str) -> Case:
     if path.endswith("/responses"):
         return draw(valid_mutated_response())
     body: dict[str, Any] = {"model": MODEL, "max_tokens": draw(small_max_tokens)}
-    if path.endswith("chat/completions"):
+    if path.endswith("chat/completions") or (path == "/tokenize" and draw(st.booleans())):
         body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}]
     else:
         body["prompt"] = draw(st.text(min_size=1, max_size=40))

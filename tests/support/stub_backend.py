@@ -19,6 +19,8 @@ with ``--fail-status`` or 500); ``--health-status`` is what ``GET /health`` answ
 ``Authorization: Bearer KEY`` gets vLLM's 401 ``{"error": "Unauthorized"}``, and is
 remembered (path, method, status) among the requests below.
 
+``POST /v1/embeddings`` answers a two-number vector per input (its length, then 0.5).
+
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
 """
@@ -93,6 +95,8 @@ class StubBackend:
             await _send(send, 200, json.dumps(list(self.requests)).encode())
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
             await self._complete(scope, receive, send, chat=path.endswith("chat/completions"))
+        elif method == "POST" and path == "/v1/embeddings":
+            await self._embed(scope, receive, send)
         else:
             await _send(
                 send, 404, json.dumps(_error("not found", "invalid_request_error")).encode()
@@ -130,6 +134,19 @@ class StubBackend:
             await self._stream(send, body.get("model", c.model), chat, include_usage)
         else:
             await _send(send, 200, _completion(body.get("model", c.model), chat, c.chunks))
+
+    async def _embed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = json.loads(await _read(receive))
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self._remember({"path": scope["path"], "body": body, "headers": headers})
+        texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = [
+            {"object": "embedding", "index": i, "embedding": [float(len(text)), 0.5]}
+            for i, text in enumerate(texts)
+        ]
+        usage = {"prompt_tokens": len(texts), "total_tokens": len(texts)}
+        answer = {"object": "list", "data": data, "model": body["model"], "usage": usage}
+        await _send(send, 200, json.dumps(answer).encode())
 
     async def _stream(self, send: Send, model: str, chat: bool, include_usage: bool) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

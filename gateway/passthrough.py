@@ -1,0 +1,82 @@
+"""The engines' other model endpoints, forwarded as they came: tokenizing, embeddings,
+scoring, reranking, classification and pooling (vLLM's paths; SGLang serves the ones it
+has under the same names).
+
+A client of vLLM calls these on the same base URL as its chats (counting a prompt's
+tokens with ``/tokenize`` before sending it, embedding with the same deployment); the
+gateway answered them 404. Now each goes to a healthy replica serving its ``model``
+(any replica when the body names none, as vLLM takes the one it serves), the least
+loaded by the router's cost model: there is no prompt prefix to match, and these
+requests hold no cache worth following. Retries, timeouts, connection limits, keys and
+tenants are the chat's (gateway/proxy.py); the body passes unchanged, so whatever the
+replica accepts or refuses is its own answer (a replica without the endpoint answers
+its own 404).
+"""
+
+from __future__ import annotations
+
+from starlette.types import Receive, Scope, Send
+
+from gateway.exchange import Exchange
+from gateway.handler import answer, forward_watched, open_exchange, read_body, unknown_model
+from gateway.proxy import Forward, forward_headers
+from gateway.state import GatewayState
+from prefixgate.json_body import load_json_object
+from prefixgate.wire import OpenAIError
+
+# path -> endpoint label (logs and metrics)
+PASSTHROUGH_PATHS: dict[str, str] = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+}
+
+
+async def serve_passthrough(
+    state: GatewayState, scope: Scope, receive: Receive, send: Send
+) -> None:
+    headers, ex = open_exchange(scope, PASSTHROUGH_PATHS[scope["path"]])
+    await answer(state, ex, send, _serve(state, scope, headers, receive, send, ex))
+
+
+async def _serve(
+    state: GatewayState,
+    scope: Scope,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+) -> None:
+    path = scope["path"]
+    if scope["method"] != "POST":
+        raise OpenAIError(
+            f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": "POST"}
+        )
+    ex.tenant = state.auth.authenticate(headers.get("authorization")).name
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    model = load_json_object(raw).get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError("model: must be a string", param="model", code="invalid_value")
+    ex.model = model or ""
+    if model is not None and state.serving(model) is None:
+        if not state.has_unknown_model_replica():
+            raise unknown_model(model)
+        model = None  # only replicas that have not said what they serve: any may try
+    request = Forward(
+        keys=[],
+        prompt_tokens=0,
+        conversation=None,
+        model=model,
+        path=path,
+        body=raw,
+        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
+        stream=False,
+    )
+    await forward_watched(state, ex, request, receive, send)
