@@ -2,7 +2,8 @@
 
 One ``tiny-random`` replica and one gateway in front of it. Hypothesis (fixed seed) draws
 request bodies for ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
-``/tokenize``, valid and hostile (``tests.support.fuzz_bodies``), and each body goes to both servers.
+``/tokenize``, valid and hostile (``tests.support.fuzz_bodies``), and each body goes to
+both servers.
 
 The property, for every body on every server: an answer within the client timeout, never
 a 5xx, a 4xx that is an OpenAI error envelope, and a 200 stream that ends (``[DONE]``, or
