@@ -28,7 +28,8 @@ failure count, nor close its half-open breaker). A request that never reached th
 neither does one that outlasted the gateway's wait for its answer (``timed_out()``): a
 long answer that is not streamed comes whole at its end, so the time says more about the
 request than the replica, whose health the probes judge. Nor does a 401 to the gateway's
-own API key (``refused()``): a configuration to fix, not a failing replica. A 5xx
+own API key (``refused()``): a configuration to fix, not a failing replica; nor a 503 or
+429 (``busy()``): a replica whose queue is full is busy, not broken. Any other 5xx
 answer (``server_error()``) gives none at the finish either: whose fault it was depends
 on the request's other attempts, and ``settle_server_errors`` decides once they are over
 (router/health.py, ``attempt_verdicts``: a 5xx that another replica also gave is the
@@ -127,6 +128,11 @@ class Attempt:
         """No answer came within the gateway's read timeout: no verdict (see above)."""
         self.no_verdict = True
 
+    def busy(self) -> None:
+        """The replica turned the request away for now (a 503 or 429: its queue full, or
+        shutting down): busy is not broken, and its health is the probes' to judge."""
+        self.no_verdict = True
+
     def refused(self) -> None:
         """The replica refused the gateway's own credentials (a 401 to its API key): a
         fault of the gateway's configuration, which says nothing of the replica's health."""
@@ -156,9 +162,13 @@ class Attempt:
 def settle_server_errors(router: Router, attempts: list[Attempt]) -> None:
     """Once a request's attempts are over: charge each 5xx that another replica's answer
     shows to be the replica's fault (the others were judged at their finish)."""
-    # Attempts that ended without an outcome (never sent, or cancelled before the first
-    # byte when the client left) prove nothing either way.
-    judged = [a for a in attempts if a.sent and (a.failed or a.first_byte_at is not None)]
+    # Attempts that ended without an outcome (never sent, cancelled before the first byte
+    # when the client left, busy, or refusing the gateway's key) prove nothing either way.
+    judged = [
+        a
+        for a in attempts
+        if a.sent and not a.no_verdict and (a.failed or a.first_byte_at is not None)
+    ]
     verdicts = attempt_verdicts([a.outcome for a in judged])
     for attempt, verdict in zip(judged, verdicts, strict=True):
         if attempt.server_errored and verdict is not None:

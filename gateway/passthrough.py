@@ -5,7 +5,7 @@ has under the same names).
 A client of vLLM calls these on the same base URL as its chats (counting a prompt's
 tokens with ``/tokenize`` before sending it, embedding with the same deployment); the
 gateway answered them 404. Now each goes to a healthy replica serving its ``model``
-(any replica when the body names none, as vLLM takes the one it serves), the least
+(a body may leave it out, as vLLM allows, when the replicas serve one model), the least
 loaded by the router's cost model: there is no prompt prefix to match, and these
 requests hold no cache worth following. Retries, timeouts, connection limits, keys and
 tenants are the chat's (gateway/proxy.py); the body passes unchanged, so whatever the
@@ -64,6 +64,8 @@ async def _serve(
     model = load_json_object(raw).get("model")
     if model is not None and not isinstance(model, str):
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")
+    if model is None:
+        model = _the_only_model(state)
     ex.model = model or ""
     if model is not None and state.serving(model) is None:
         if not state.has_unknown_model_replica():
@@ -80,3 +82,17 @@ async def _serve(
         stream=False,
     )
     await forward_watched(state, ex, request, receive, send)
+
+
+def _the_only_model(state: GatewayState) -> str | None:
+    """The model a body without one means: the one model the replicas serve (None: none
+    has said yet, any may answer); a 400 when they serve several, whose tokenizers and
+    embeddings differ."""
+    models = sorted({v.model for v in state.router.replicas.values() if v.model})
+    if len(models) > 1:
+        raise OpenAIError(
+            f"model: required, the replicas serve several ({', '.join(models)})",
+            param="model",
+            code="missing_model",
+        )
+    return models[0] if models else None

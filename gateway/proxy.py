@@ -1,8 +1,8 @@
 """Forwarding: pick a replica, send the original body, pass the answer back (raw ASGI).
 
 One attempt, and one retry on the next-best replica when the first fails before its first
-byte (connection refused, connect timeout, 5xx, no answer in time from a replica that
-fails its probes, a 401 to the gateway's own API key); not when a replica that passes
+byte (connection refused, connect timeout, 5xx or 429, no answer in time from a replica
+that fails its probes, a 401 to the gateway's own API key); not when a replica that passes
 them sent nothing for the whole read timeout (a 504: another replica would take as
 long). A request pinned to one replica (the Responses API's stateful turns: only that
 replica holds what they refer to) gets one attempt there. After the first byte the
@@ -51,6 +51,7 @@ DROPPED_HEADERS = frozenset(
     }
 )
 RETRY_AFTER_S = "1"
+BUSY = frozenset({429, 503})  # the replica turned the request away for now: try another
 UPSTREAM_AUTH = "upstream_auth"  # a replica refused the gateway's own credentials
 ATTEMPTS = 2  # the first replica, then the next best once
 
@@ -72,14 +73,15 @@ class Forward(NamedTuple):
 
 
 class UpstreamFailure(NamedTuple):
-    """Why an attempt failed before its first byte: a 5xx answer (status, body), or no
-    answer the client can have (status None, ``kind`` names the failure)."""
+    """Why an attempt failed before its first byte: a 5xx or 429 answer (status, body),
+    or no answer the client can have (status None, ``kind`` names the failure)."""
 
     status: int | None
     body: bytes
     message: str
     kind: str | None = None
     retry: bool = True  # whether another replica may be tried
+    after: str | None = None  # the replica's Retry-After, passed on with its answer
 
 
 async def forward(state: GatewayState, ex: Exchange, request: Forward, send: Send) -> None:
@@ -177,12 +179,19 @@ async def _attempt(
             attempt.refused()
             state.metrics.upstream_failure(rid, "http_401")
             return UpstreamFailure(None, b"", _refusal(state, rid), UPSTREAM_AUTH)
+        if response.status in BUSY:
+            # Its queue is full, or it is shutting down: another replica may have room. A
+            # 503 counted against the breaker when another replica then served the
+            # request, so a replica that was only full was taken out of service for the
+            # breaker's cooldown, and its share of the traffic went to the others.
+            attempt.busy()
+            state.metrics.upstream_failure(rid, f"http_{response.status}")
+            error = await _read_error(response)
+            after = _header(response, b"retry-after")
+            return UpstreamFailure(response.status, error, f"replica {rid} is busy", after=after)
         if response.status >= 500:
             attempt.server_error()
-            try:
-                error = await response.read()
-            except UpstreamError:
-                error = b""
+            error = await _read_error(response)
             state.metrics.upstream_failure(rid, f"http_{response.status}")
             return UpstreamFailure(response.status, error, f"replica {rid} failed")
         if request.stream and response.status < 400:
@@ -192,6 +201,20 @@ async def _attempt(
         return None
     finally:
         await response.close()
+
+
+async def _read_error(response: Response) -> bytes:
+    try:
+        return await response.read()
+    except UpstreamError:
+        return b""
+
+
+def _header(response: Response, name: bytes) -> str | None:
+    for key, value in response.raw_headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _refusal(state: GatewayState, replica_id: str) -> str:
@@ -209,13 +232,15 @@ def _healthy(state: GatewayState, replica_id: str) -> bool:
 
 
 async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
-    """After the retry: the last 5xx as it came (OpenAI-shaped), 503 with Retry-After
+    """After the retry: the last 5xx or 429 as it came (OpenAI-shaped, its Retry-After
+    kept), 503 with Retry-After
     when the last replica tried had no free connection in time or the gateway had no file
     descriptor to spare, 504 when the replica sent nothing within the read timeout, 502
     naming the flag to fix when it refused the gateway's credentials, or 502 if none
     answered."""
     if failure.status is not None:
-        await send_error_passthrough(send, failure.status, failure.body, ex)
+        after = {"Retry-After": failure.after} if failure.after else None
+        await send_error_passthrough(send, failure.status, failure.body, ex, after)
         return
     if failure.kind == OUT_OF_FILES:
         body = error_body(

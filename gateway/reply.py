@@ -22,11 +22,14 @@ async def send_json(
     ex: Exchange,
     extra: dict[str, str] | None = None,
 ) -> None:
-    headers = [JSON_TYPE]
-    if extra:
-        headers.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
     data = json.dumps(body, separators=(",", ":")).encode()
-    await send_bytes(send, status, data, headers, ex)
+    await send_bytes(send, status, data, [JSON_TYPE, *_encoded(extra)], ex)
+
+
+def _encoded(headers: dict[str, str] | None) -> list[tuple[bytes, bytes]]:
+    if not headers:
+        return []
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 async def send_bytes(
@@ -41,14 +44,17 @@ async def send_bytes(
     await send({"type": "http.response.body", "body": data})
 
 
-async def send_error_passthrough(send: Send, status: int, raw: bytes, ex: Exchange) -> None:
-    """An upstream error answer; bodies that are not OpenAI-shaped get wrapped."""
+async def send_error_passthrough(
+    send: Send, status: int, raw: bytes, ex: Exchange, extra: dict[str, str] | None = None
+) -> None:
+    """An upstream error answer, with ``extra`` headers; bodies that are not OpenAI-shaped
+    get wrapped."""
     try:
         parsed = json.loads(raw) if raw else None
     except ValueError:
         parsed = None
     if is_error_body(parsed):
-        await send_bytes(send, status, raw, [JSON_TYPE], ex)
+        await send_bytes(send, status, raw, [JSON_TYPE, *_encoded(extra)], ex)
         return
     text = raw.decode("utf-8", "replace").strip()[:2000]
     body = error_body(
@@ -56,7 +62,7 @@ async def send_error_passthrough(send: Send, status: int, raw: bytes, ex: Exchan
         type="server_error" if status >= 500 else "invalid_request_error",
         code="upstream_error",
     )
-    await send_json(send, status, body, ex)
+    await send_json(send, status, body, ex, extra)
 
 
 def error_event(message: str) -> dict[str, Any]:

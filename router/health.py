@@ -17,7 +17,9 @@ Fault attribution (``attempt_verdicts``), for the attempts of one request in ord
 
 * a connect error, a timeout, or a connection that broke mid-answer is the replica's
   fault: a failure for its breaker;
-* any answer below 500 (a 4xx is the client's problem, not the replica's) is a success;
+* any answer below 500 (a 4xx is the client's problem, not the replica's) is a success,
+  but for a 429 which, like a 503, says the replica is full or going away: the gateway
+  gives those no verdict at all (busy is not broken; gateway/attempt.py);
 * a 5xx is a failure only when another replica answered the same request below 500. A
   5xx that the request also got on a second replica is the request's fault (a poison
   body), and one that could not be compared (no other replica answered) proves

@@ -31,9 +31,10 @@ class Servers:
         self.replica = start_replica(root, "replica")
         self.stub = start_stub(root, "stub", "--model", "embedder")
         self.gateway = start_gateway(root, "gateway", [self.replica.url, self.stub.url])
+        self.single = start_gateway(root, "single", [self.replica.url])
 
     def stop(self) -> None:
-        for server in (self.gateway, self.stub, self.replica):
+        for server in (self.single, self.gateway, self.stub, self.replica):
             server.stop()
 
     def post(self, path: str, body: Any, base: str | None = None) -> httpx.Response:
@@ -61,10 +62,14 @@ def test_tokenize_counts_what_a_chat_is_charged(servers: Servers) -> None:
 
 def test_tokenize_a_prompt_and_back(servers: Servers) -> None:
     text = "The quick brown fox jumps over the lazy dog."
-    tokens = servers.post("/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    body = {"model": MODEL, "prompt": text, "return_token_strs": True}
+    tokens = servers.post("/tokenize", body).json()
     assert len(tokens["token_strs"]) == tokens["count"] > 0
     back = servers.post("/detokenize", {"model": MODEL, "tokens": tokens["tokens"]})
     assert back.status_code == 200 and text in back.json()["prompt"]
+    # One model behind the gateway: a body may leave it out, as vLLM's may.
+    bare = servers.post("/tokenize", {"prompt": text}, servers.single.url)
+    assert bare.status_code == 200 and bare.json()["tokens"] == tokens["tokens"]
 
 
 @pytest.mark.parametrize(
@@ -77,6 +82,7 @@ def test_tokenize_a_prompt_and_back(servers: Servers) -> None:
         ("/tokenize", {"model": "nobody-serves-it", "prompt": "a"}, 404, "model_not_found"),
         ("/tokenize", {"model": 7, "prompt": "a"}, 400, "invalid_value"),
         ("/tokenize", [1, 2], 400, "invalid_json"),
+        ("/tokenize", {"prompt": "a"}, 400, "missing_model"),  # two models: which one?
     ],
 )
 def test_bad_requests_get_openai_errors(

@@ -8,7 +8,7 @@ figures measure the gateway. Its answers are fixed text; flags make it fail on p
     python -m tests.support.stub_backend --port P [--model NAME] [--fail-status 500]
         [--fail-body TEXT] [--fail-on TEXT] [--break-after N] [--chunks N]
         [--delay-ms MS] [--health-status 503] [--alias NAME ...] [--lora NAME ...]
-        [--api-key KEY]
+        [--api-key KEY] [--retry-after SECONDS]
 
 ``--fail-on TEXT`` fails only the requests whose body contains TEXT (a poison request;
 with ``--fail-status`` or 500); ``--health-status`` is what ``GET /health`` answers.
@@ -54,6 +54,7 @@ class StubConfig:
     aliases: list[str] = field(default_factory=list)
     loras: list[str] = field(default_factory=list)
     api_key: str | None = None
+    retry_after: str | None = None  # a Retry-After header on failures
 
 
 @dataclass(slots=True)
@@ -123,11 +124,12 @@ class StubBackend:
         failing = c.fail_status is not None if c.fail_on is None else c.fail_on.encode() in raw
         if failing:
             status = c.fail_status or 500
+            extra = [(b"retry-after", c.retry_after.encode())] if c.retry_after else []
             if c.fail_body is not None:
-                await _send(send, status, c.fail_body.encode(), b"text/plain")
+                await _send(send, status, c.fail_body.encode(), b"text/plain", extra)
             else:
                 error = _error("stub failure", "server_error")
-                await _send(send, status, json.dumps(error).encode())
+                await _send(send, status, json.dumps(error).encode(), extra=extra)
             return
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -226,9 +228,14 @@ async def _read(receive: Receive) -> bytes:
 
 
 async def _send(
-    send: Send, status: int, body: bytes, content_type: bytes = b"application/json"
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    extra: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    headers += extra or []
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -258,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alias", action="append", default=[])
     parser.add_argument("--lora", action="append", default=[])
     parser.add_argument("--api-key")
+    parser.add_argument("--retry-after")
     args = parser.parse_args(argv)
     config = StubConfig(
         model=args.model,
@@ -271,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         aliases=args.alias,
         loras=args.lora,
         api_key=args.api_key,
+        retry_after=args.retry_after,
     )
     import uvicorn
 
