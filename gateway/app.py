@@ -16,7 +16,6 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -174,7 +173,7 @@ def _add_routes(app: FastAPI) -> None:
         state: GatewayState = request.app.state.gateway
         if denied := _denied(state, request):
             return denied
-        data = [_model_card(m) for m in state.models(healthy_only=True)]
+        data = [state.card(m, healthy_only=True) for m in state.models(healthy_only=True)]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model:path}")
@@ -184,7 +183,7 @@ def _add_routes(app: FastAPI) -> None:
             return denied
         if model not in state.models(healthy_only=False):
             return JSONResponse(unknown_model(model).body(), 404)
-        return JSONResponse(_model_card(model))
+        return JSONResponse(state.card(model, healthy_only=False))
 
     @app.get("/health")
     async def health() -> Response:
@@ -277,7 +276,3 @@ def _not_admin(state: GatewayState, request: Request, why: str) -> Response | No
         return None
     body = error_body(f"{why}: it needs an admin key.", type="permission_error", code="forbidden")
     return JSONResponse(body, 403)
-
-
-def _model_card(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "prefixgate"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import httpx
@@ -68,10 +68,26 @@ NAMES_REFRESH_S = 30.0
 
 class Served(NamedTuple):
     """What a server lists at ``/v1/models``: its model (the first card without a
-    parent) and its other names, each with the model id of its block keys."""
+    parent) and its other names, each with the model id of its block keys; ``cards``: each
+    name's card, as much of it as ``CARD_FIELDS`` keeps (the gateway lists them)."""
 
     model: str
     names: dict[str, str]
+    cards: dict[str, dict[str, Any]]
+
+
+# The fields of a model card passed on from a replica's list: OpenAI's, and vLLM's
+# ``root``, ``parent`` and ``max_model_len`` (clients size their context by the last).
+CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
+
+
+def _card(card: dict[str, Any]) -> dict[str, Any]:
+    """A replica's card reduced to ``CARD_FIELDS`` whose values are plain scalars."""
+    return {
+        k: card[k]
+        for k in CARD_FIELDS
+        if k in card and (card[k] is None or isinstance(card[k], str | int | float))
+    }
 
 
 def served_names(cards: object) -> Served | None:
@@ -88,7 +104,12 @@ def served_names(cards: object) -> Served | None:
         return None
     model = bases[0] if bases else listed[0][0]
     names = {name: (name if parent else model) for name, parent in listed if name != model}
-    return Served(model, names)
+    kept = {
+        card["id"]: _card(card)
+        for card in cards
+        if isinstance(card, dict) and isinstance(card.get("id"), str) and card["id"]
+    }
+    return Served(model, names, kept)
 
 
 async def fetch_models(state: GatewayState, url: str) -> Served | None:
@@ -154,6 +175,7 @@ async def refresh_names(state: GatewayState, fetched_at: dict[str, float]) -> No
             for name, key in (*served.names.items(), (served.model, served.model))
         }
         state.router.set_names(view.replica_id, names)
+        state.cards[view.replica_id] = served.cards
     for gone in fetched_at.keys() - state.router.replicas.keys():
         del fetched_at[gone]
 
@@ -171,6 +193,7 @@ async def add_static_replicas(state: GatewayState) -> list[str]:
         _put_static(state, url, fallback if served is None else served.model)
         if served is not None:
             state.router.set_names(static_replica_id(url), served.names)
+            state.cards[static_replica_id(url)] = served.cards
     return pending
 
 
@@ -191,6 +214,7 @@ async def learn_static_models(state: GatewayState, pending: list[str]) -> None:
             if view is None or view.model != model:
                 _put_static(state, url, model)
             state.router.set_names(rid, served.names)
+            state.cards[rid] = served.cards
             log.info("replica %s serves %r", url, model)
 
 

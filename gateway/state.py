@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -38,6 +38,8 @@ class GatewayState:
     sync: RedisSync | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
+    # replica id -> name -> the card it lists for that name (gateway/probes.py, CARD_FIELDS)
+    cards: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def upstream_authorization(self, headers: dict[str, str]) -> str | None:
         """The Authorization sent upstream: the gateway's --upstream-api-key; else, in open
@@ -66,6 +68,15 @@ class GatewayState:
 
     def has_unknown_model_replica(self) -> bool:
         return any(v.model == "" for v in self.router.replicas.values())
+
+    def card(self, name: str, *, healthy_only: bool) -> dict[str, Any]:
+        """``name``'s model card: as a replica serving it lists it (vLLM's has
+        ``max_model_len``, ``root``, ``parent``), or a plain one when none has said."""
+        for view in self.router.replicas.values():
+            listed = self.cards.get(view.replica_id, {}).get(name)
+            if listed is not None and (view.healthy or not healthy_only):
+                return {**listed, "id": name, "object": "model"}
+        return {"id": name, "object": "model", "created": 0, "owned_by": "prefixgate"}
 
     def models(self, *, healthy_only: bool) -> list[str]:
         return sorted(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -36,22 +37,32 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_vllm_model_lists_are_read_as_names_and_key_spaces() -> None:
-    cards = [
-        {"id": "llama", "parent": None},
+    cards: list[Any] = [
+        {"id": "llama", "parent": None, "max_model_len": 8192, "permission": [{"x": 1}]},
         {"id": "gpt-4o", "parent": None},  # another --served-model-name
         {"id": "sql-lora", "parent": "llama"},  # --lora-modules sql-lora=...
         {"id": 7},
         "junk",
     ]
-    assert served_names(cards) == Served("llama", {"gpt-4o": "llama", "sql-lora": "sql-lora"})
-    assert served_names([{"id": "only"}]) == Served("only", {})
+    served = served_names(cards)
+    assert served is not None
+    assert served[:2] == ("llama", {"gpt-4o": "llama", "sql-lora": "sql-lora"})
+    # The cards are kept for the gateway's list, their plain fields only.
+    assert served.cards["llama"] == {"id": "llama", "parent": None, "max_model_len": 8192}
+    assert served_names([{"id": "only"}]) == Served("only", {}, {"only": {"id": "only"}})
     assert served_names([]) is None and served_names({"id": "x"}) is None
 
 
 def test_every_served_name_is_routed_and_listed(gateway: Server) -> None:
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-    listed = {m.id for m in client.models.list()}
-    assert listed == {"base", "base-alias", "sql"}
+    listed = {m.id: m for m in client.models.list()}
+    assert set(listed) == {"base", "base-alias", "sql"}
+    # Each card as the replica lists it: vLLM's max_model_len and parent included (before:
+    # the gateway's own card, without either).
+    assert listed["sql"].owned_by == "stub" and listed["sql"].model_extra == {
+        "parent": "base",
+        "max_model_len": 4096,
+    }
 
     def route(model: str) -> str:
         r = client.completions.with_raw_response.create(model=model, prompt=PROMPT, max_tokens=2)

@@ -83,14 +83,11 @@ class StubBackend:
             )
         elif method == "GET" and path == "/v1/models":
             c = self.config
+            card = {"object": "model", "created": 0, "owned_by": "stub", "max_model_len": 4096}
             cards: list[dict[str, Any]] = [
-                {"id": name, "object": "model", "created": 0, "owned_by": "stub", "parent": None}
-                for name in (c.model, *c.aliases)
+                {**card, "id": name, "parent": None} for name in (c.model, *c.aliases)
             ]
-            cards += [
-                {"id": name, "object": "model", "created": 0, "owned_by": "stub", "parent": c.model}
-                for name in c.loras
-            ]
+            cards += [{**card, "id": name, "parent": c.model} for name in c.loras]
             await _send(send, 200, json.dumps({"object": "list", "data": cards}).encode())
         elif method == "GET" and path == "/stub/requests":
             await _send(send, 200, json.dumps(list(self.requests)).encode())
