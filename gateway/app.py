@@ -27,6 +27,8 @@ from gateway.auth import Authenticator, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
+from gateway.messages import PATH as MESSAGES_PATH
+from gateway.messages import serve_messages
 from gateway.metrics import GatewayMetrics
 from gateway.passthrough import PASSTHROUGH_PATHS, serve_passthrough
 from gateway.probes import (
@@ -71,6 +73,8 @@ class GatewayApp:
             await serve_completion(self.state, scope, receive, send, scope["path"])
         elif scope["type"] == "http" and is_responses_path(scope["path"]):
             await serve_responses(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] == MESSAGES_PATH:
+            await serve_messages(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in PASSTHROUGH_PATHS:
             await serve_passthrough(self.state, scope, receive, send)
         else:

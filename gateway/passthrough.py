@@ -1,6 +1,6 @@
 """The engines' other model endpoints, forwarded as they came: tokenizing, embeddings,
-scoring, reranking, classification and pooling (vLLM's paths; SGLang serves the ones it
-has under the same names).
+scoring, reranking, classification, pooling, and counting a Messages API request's tokens
+(vLLM's paths; SGLang serves the ones it has under the same names).
 
 A client of vLLM calls these on the same base URL as its chats (counting a prompt's
 tokens with ``/tokenize`` before sending it, embedding with the same deployment); the
@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
 from gateway.handler import answer, forward_watched, open_exchange, read_body, unknown_model
+from gateway.messages import read_x_api_key
 from gateway.proxy import Forward, forward_headers
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
@@ -36,6 +37,7 @@ PASSTHROUGH_PATHS: dict[str, str] = {
     "/rerank": "rerank",
     "/v1/rerank": "rerank",
     "/v2/rerank": "rerank",
+    "/v1/messages/count_tokens": "count_tokens",  # Anthropic's (gateway/messages.py)
 }
 
 
@@ -59,6 +61,7 @@ async def _serve(
         raise OpenAIError(
             f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": "POST"}
         )
+    read_x_api_key(headers)
     ex.tenant = state.auth.authenticate(headers.get("authorization")).name
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     model = load_json_object(raw).get("model")

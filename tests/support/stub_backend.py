@@ -19,7 +19,9 @@ with ``--fail-status`` or 500); ``--health-status`` is what ``GET /health`` answ
 ``Authorization: Bearer KEY`` gets vLLM's 401 ``{"error": "Unauthorized"}``, and is
 remembered (path, method, status) among the requests below.
 
-``POST /v1/embeddings`` answers a two-number vector per input (its length, then 0.5).
+``POST /v1/embeddings`` answers a two-number vector per input (its length, then 0.5);
+``POST /v1/messages`` (Anthropic's, streamed or not) a fixed message, and its
+``count_tokens`` the number of messages.
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -95,6 +97,8 @@ class StubBackend:
             await self._complete(scope, receive, send, chat=path.endswith("chat/completions"))
         elif method == "POST" and path == "/v1/embeddings":
             await self._embed(scope, receive, send)
+        elif method == "POST" and path in ("/v1/messages", "/v1/messages/count_tokens"):
+            await self._messages(scope, receive, send)
         else:
             await _send(
                 send, 404, json.dumps(_error("not found", "invalid_request_error")).encode()
@@ -146,6 +150,36 @@ class StubBackend:
         usage = {"prompt_tokens": len(texts), "total_tokens": len(texts)}
         answer = {"object": "list", "data": data, "model": body["model"], "usage": usage}
         await _send(send, 200, json.dumps(answer).encode())
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = json.loads(await _read(receive))
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self._remember({"path": scope["path"], "body": body, "headers": headers})
+        if scope["path"].endswith("count_tokens"):
+            await _send(send, 200, json.dumps({"input_tokens": len(body["messages"])}).encode())
+            return
+        text = {"type": "text", "text": "tok0 tok1"}
+        usage = {"input_tokens": 8, "output_tokens": 2}
+        message = {"id": "msg_stub", "type": "message", "role": "assistant", "model": body["model"]}
+        if not body.get("stream"):
+            answer = {**message, "content": [text], "stop_reason": "end_turn", "usage": usage}
+            await _send(send, 200, json.dumps(answer).encode())
+            return
+        block = {"type": "text", "text": ""}
+        delta = {"type": "text_delta", "text": "tok0 tok1"}
+        events: list[dict[str, Any]] = [
+            {"type": "message_start", "message": {**message, "content": []}},
+            {"type": "content_block_start", "index": 0, "content_block": block},
+            {"type": "content_block_delta", "index": 0, "delta": delta},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": usage},
+            {"type": "message_stop"},
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for data in events:
+            chunk = f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stream(self, send: Send, model: str, chat: bool, include_usage: bool) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

@@ -1,0 +1,162 @@
+"""Anthropic's Messages API through the gateway (gateway/messages.py): an agent's steps,
+which resend its system prompt, tools and history, stay on the replica that holds them;
+streams pass through as they came; ``x-api-key`` is a key; a salted tenant is refused.
+The gateway answered 404 to ``/v1/messages`` before."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.messages import to_chat
+from prefixgate.wire import OpenAIError
+from tests.gateway.conftest import Server, start_gateway, start_stub, write_api_keys
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "claude-local"
+SYSTEM = "You are a coding agent. Read files before editing them; run the tests after. " * 8
+TOOLS = [
+    {
+        "name": name,
+        "description": f"{name} a file of the repository",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+    for name in ("read", "edit", "run")
+]
+
+
+class Servers:
+    def __init__(self, root: Path) -> None:
+        self.stubs = [start_stub(root, f"stub-{i}", "--model", MODEL) for i in range(2)]
+        urls = [s.url for s in self.stubs]
+        self.open = start_gateway(root, "open", urls)
+        keys = str(write_api_keys(root / "keys.json"))
+        self.keyed = start_gateway(root, "keyed", urls, "--api-keys", keys)
+
+    def stop(self) -> None:
+        for server in (self.open, self.keyed, *self.stubs):
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    s = Servers(tmp_path_factory.mktemp("messages"))
+    yield s
+    s.stop()
+
+
+def _step(history: list[dict[str, Any]], n: int, **extra: Any) -> dict[str, Any]:
+    """An agent's request at step ``n``: Claude Code's billing block changes every time."""
+    system = [
+        {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2; cch={n:05x};"},
+        {"type": "text", "text": SYSTEM},
+    ]
+    return {"model": MODEL, "max_tokens": 64, "system": system, "tools": TOOLS,
+            "messages": history, **extra}  # fmt: skip
+
+
+def _post(gateway: Server, body: Any, **headers: str) -> httpx.Response:
+    return httpx.post(gateway.url + "/v1/messages", json=body, headers=headers, timeout=30)
+
+
+def test_an_agents_steps_stay_with_their_prefix(servers: Servers) -> None:
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
+    replicas, reasons = [], []
+    for n in range(6):
+        answer = _post(servers.open, _step(history, n))
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["content"][0]["text"] == "tok0 tok1"
+        replicas.append(answer.headers["x-prefixgate-replica"])
+        reasons.append(answer.headers["x-prefixgate-route"])
+        call = {"type": "tool_use", "id": f"toolu_{n}", "name": "read", "input": {"path": "a.py"}}
+        history += [
+            {"role": "assistant", "content": [{"type": "text", "text": "Reading."}, call]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": f"toolu_{n}", "content": "x = 1\n" * 20},
+            ]},
+        ]  # fmt: skip
+    assert len(set(replicas)) == 1, replicas
+    assert all(r.startswith("prefix_match") for r in reasons[1:]), reasons
+
+
+def test_a_stream_passes_through_whole(servers: Servers) -> None:
+    body = _step([{"role": "user", "content": "hi"}], 0, stream=True)
+    with httpx.stream("POST", servers.open.url + "/v1/messages", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    assert text.startswith("event: message_start") and "event: message_stop" in text
+
+
+def test_keys_and_tenants(servers: Servers) -> None:
+    body = _step([{"role": "user", "content": "hi"}], 0)
+    assert _post(servers.keyed, body).status_code == 401
+    shared = _post(servers.keyed, body, **{"x-api-key": "sk-shared"})
+    assert shared.status_code == 200, shared.text
+    salted = _post(servers.keyed, body, **{"x-api-key": "sk-alpha"})
+    assert salted.status_code == 403 and salted.json()["error"]["code"] == "no_cache_salt"
+    # Counting tokens shares no cache: any tenant may.
+    counted = httpx.post(
+        servers.keyed.url + "/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": body["messages"]},
+        headers={"x-api-key": "sk-alpha"},
+        timeout=30,
+    )
+    assert counted.status_code == 200 and counted.json() == {"input_tokens": 1}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL, "max_tokens": 8},
+        {"model": MODEL, "max_tokens": 8, "messages": "hi"},
+        {"model": MODEL, "max_tokens": 8, "messages": [{"role": "tool", "content": "x"}]},
+        {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": 5}]},
+        {"model": MODEL, "max_tokens": 8, "messages": [], "system": 5},
+        {"model": MODEL, "max_tokens": 8, "messages": [], "tools": "x"},
+        {"model": 5, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+    ],
+)
+def test_bad_bodies_are_400(servers: Servers, body: dict[str, Any]) -> None:
+    answer = _post(servers.open, body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_read_as_vllm_reads_it() -> None:
+    call = {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "a"}}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "text", "text": "A"}],
+    }
+    chat = to_chat(
+        {
+            "model": "m",
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: 1"},
+                       {"type": "text", "text": "Be brief."}],
+            "tools": [TOOLS[0]],
+            "messages": [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": [{"type": "text", "text": "ok"}, call]},
+                {"role": "user", "content": [result, {"type": "text", "text": "next"}]},
+            ],
+        }
+    )  # fmt: skip
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "ok", "tool_calls": [
+            {"id": "t1", "type": "function",
+             "function": {"name": "read", "arguments": '{"path": "a"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "t1", "content": "A"},
+        {"role": "user", "content": "next"},
+    ]  # fmt: skip
+    assert chat["tools"][0]["function"]["parameters"] == TOOLS[0]["input_schema"]
+    with pytest.raises(OpenAIError):
+        to_chat({"model": "m", "messages": [{"role": "user", "content": {"a": 1}}]})
