@@ -28,6 +28,17 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 
 
+def engine_ranks(text: str) -> set[str]:
+    """The ``engine`` labels of vLLM's request gauges: one per data-parallel rank behind
+    the server (its internal load balancing)."""
+    return {
+        sample.labels["engine"]
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in RUNNING and "engine" in sample.labels
+    }
+
+
 def parse_load(text: str, block_size: int) -> ReplicaLoad:
     """The load in a ``/metrics`` page; ValueError when it is not Prometheus text."""
     sums: dict[str, float] = defaultdict(float)

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from bridge.engine_auth import engine_headers
-from bridge.engine_load import parse_load
+from bridge.engine_load import engine_ranks, parse_load
 from bridge.follower import EventFollower
 from bridge.media import MediumMap
 from bridge.redis_out import REDIS_ERRORS, RedisWriter, WriterConfig
@@ -68,6 +68,27 @@ class BridgeConfig:
     @property
     def resolved_replica_id(self) -> str:
         return self.replica_id or urlsplit(self.url).netloc or self.url
+
+
+def _warn_if_data_parallel(engine_url: str, metrics: str) -> None:
+    """Several data-parallel ranks behind one URL (vLLM's internal load balancing): each
+    rank publishes its events on a port of its own (the event port + its rank), so the
+    bridge follows one rank's cache while the engine spreads requests over all of them,
+    whatever the gateway chose."""
+    try:
+        ranks = engine_ranks(metrics)
+    except ValueError:
+        return
+    if len(ranks) > 1:
+        log.warning(
+            "engine %s runs %d data-parallel ranks behind one URL: this bridge follows one "
+            "rank's cache events, and the engine picks the rank for each request. Run each "
+            "rank as a server of its own (vLLM's external data parallelism: "
+            "--data-parallel-rank R, a port each) with a bridge each, its --kv-events on "
+            "the event port + R",
+            engine_url,
+            len(ranks),
+        )
 
 
 def _refused(exc: Exception) -> bool:
@@ -223,6 +244,7 @@ class Bridge:
             else:
                 if not self.stats.engine_up:
                     log.info("engine %s answers; heartbeating", self.config.engine_url)
+                    _warn_if_data_parallel(self.config.engine_url, reply.text)
                 self.stats.engine_up = True
                 with contextlib.suppress(*REDIS_ERRORS):
                     await self.writer.heartbeat(load)

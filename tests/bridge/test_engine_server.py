@@ -1,8 +1,12 @@
-"""An engine started with ``--api-key`` (vLLM guards every ``/v1`` path with it, SGLang
+"""What the bridge must know of the engine's server.
+
+An engine started with ``--api-key`` (vLLM guards every ``/v1`` path with it, SGLang
 every path but health and metrics): the bridge sends the key with each of its requests
 (``--engine-api-key``, else ``VLLM_API_KEY``). Without it the bridge never learned the
 engine's model, so the engine never became a replica, with nothing in the log but a
-note every 30 s that it was "waiting for engine"."""
+note every 30 s that it was "waiting for engine".
+
+Data-parallel ranks behind one URL: the bridge follows one rank's events, and says so."""
 
 from __future__ import annotations
 
@@ -98,3 +102,34 @@ def test_the_key_comes_from_the_flag_or_vllms_own_variable(
     assert parse_args([*base, "--engine-api-key", "from-flag"]).engine_api_key == "from-flag"
     with pytest.raises(SystemExit):  # a newline pasted with it would split the header
         parse_args([*base, "--engine-api-key", "sk-1\nx-injected: 1"])
+
+
+async def test_data_parallel_ranks_behind_one_url_are_named(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's internal load balancing: ranks publish their events on ports of their own,
+    so a bridge on one port follows one rank while the engine spreads requests over all."""
+    two_ranks = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+    )
+    http = FakeEngineHTTP(model="m", metrics=two_ranks)
+    http.start()
+    engine, endpoint = make_engine(16)
+    bridge = Bridge(_config(http, endpoint, redis_server.url, None))
+    engine.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefixgate.bridge"):
+            await asyncio.wait_for(bridge.start(), 10)
+            await wait_until_async(
+                lambda: any("data-parallel ranks" in r.message for r in caplog.records),
+                10,
+                "the warning",
+            )
+        warning = next(r.message for r in caplog.records if "data-parallel ranks" in r.message)
+        assert "2 data-parallel ranks" in warning and "--data-parallel-rank" in warning
+    finally:
+        await bridge.stop()
+        engine.close()
+        http.stop()
