@@ -26,6 +26,8 @@ from starlette.types import Receive, Scope, Send
 from gateway.auth import Authenticator, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
+from gateway.generate import PATH as GENERATE_PATH
+from gateway.generate import serve_generate
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.messages import PATH as MESSAGES_PATH
 from gateway.messages import serve_messages
@@ -73,6 +75,8 @@ class GatewayApp:
             await serve_completion(self.state, scope, receive, send, scope["path"])
         elif scope["type"] == "http" and is_responses_path(scope["path"]):
             await serve_responses(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] == GENERATE_PATH:
+            await serve_generate(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == MESSAGES_PATH:
             await serve_messages(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in PASSTHROUGH_PATHS:

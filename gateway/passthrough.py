@@ -68,7 +68,7 @@ async def _serve(
     if model is not None and not isinstance(model, str):
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")
     if model is None:
-        model = _the_only_model(state)
+        model = the_only_model(state)
     ex.model = model or ""
     if model is not None and state.serving(model) is None:
         if not state.has_unknown_model_replica():
@@ -87,7 +87,7 @@ async def _serve(
     await forward_watched(state, ex, request, receive, send)
 
 
-def _the_only_model(state: GatewayState) -> str | None:
+def the_only_model(state: GatewayState) -> str | None:
     """The model a body without one means: the one model the replicas serve (None: none
     has said yet, any may answer); a 400 when they serve several, whose tokenizers and
     embeddings differ."""

@@ -21,7 +21,7 @@ remembered (path, method, status) among the requests below.
 
 ``POST /v1/embeddings`` answers a two-number vector per input (its length, then 0.5);
 ``POST /v1/messages`` (Anthropic's, streamed or not) a fixed message, and its
-``count_tokens`` the number of messages.
+``count_tokens`` the number of messages; ``POST /generate`` (SGLang's) a fixed text.
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -97,6 +97,8 @@ class StubBackend:
             await self._complete(scope, receive, send, chat=path.endswith("chat/completions"))
         elif method == "POST" and path == "/v1/embeddings":
             await self._embed(scope, receive, send)
+        elif method == "POST" and path == "/generate":
+            await self._generate(scope, receive, send)
         elif method == "POST" and path in ("/v1/messages", "/v1/messages/count_tokens"):
             await self._messages(scope, receive, send)
         else:
@@ -150,6 +152,21 @@ class StubBackend:
         usage = {"prompt_tokens": len(texts), "total_tokens": len(texts)}
         answer = {"object": "list", "data": data, "model": body["model"], "usage": usage}
         await _send(send, 200, json.dumps(answer).encode())
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = json.loads(await _read(receive))
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self._remember({"path": scope["path"], "body": body, "headers": headers})
+        meta = {"prompt_tokens": 8, "completion_tokens": 2, "cached_tokens": 0}
+        if not body.get("stream"):
+            answer = {"text": "tok0 tok1", "meta_info": meta}
+            await _send(send, 200, json.dumps(answer).encode())
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for text in ("tok0", "tok0 tok1"):
+            event = _event({"text": text, "meta_info": meta})
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = json.loads(await _read(receive))

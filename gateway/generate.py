@@ -1,0 +1,108 @@
+"""SGLang's native ``POST /generate``, routed by prefix.
+
+SGLang's own API takes a prompt as ``text`` or as token ids (``input_ids``), with
+``sampling_params``, and streams SSE when ``stream`` is true. Reinforcement-learning
+frameworks drive their rollouts through it, sending token ids, and many samples of one
+prompt (a GRPO group) that should land where that prompt is cached; sglang-router routes
+it by prefix. The gateway answered 404.
+
+Now a single prompt is keyed as a completion's (gateway/routing.py: token ids exactly,
+text through the model's tokenizer) and routed like one, and the body goes to the replica
+unchanged. A batch (a list of texts or of id lists) is keyed by its first prompt. The body
+names no model (an SGLang server serves one): it is the one model the replicas serve, and
+a 400 when they serve several. Tenants: SGLang's ``/generate`` takes no ``cache_salt``, so
+in keyed mode only a tenant with ``shared_namespace: true`` may use it (403 otherwise),
+as with the Messages API (gateway/messages.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+from gateway.exchange import Exchange
+from gateway.handler import answer, forward_watched, open_exchange, read_body
+from gateway.passthrough import the_only_model
+from gateway.proxy import Forward, forward_headers
+from gateway.state import GatewayState
+from prefixgate.json_body import load_json_object
+from prefixgate.wire import CompletionRequest, OpenAIError, parse_request
+
+PATH = "/generate"
+
+
+async def serve_generate(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
+    headers, ex = open_exchange(scope, "generate")
+    await answer(state, ex, send, _serve(state, scope, headers, receive, send, ex))
+
+
+async def _serve(
+    state: GatewayState,
+    scope: Scope,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+) -> None:
+    if scope["method"] != "POST":
+        raise OpenAIError(
+            f"{scope['method']} {PATH}: Method Not Allowed", status=405, headers={"Allow": "POST"}
+        )
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    if state.auth.forwarded_salt(tenant, None) is not None:
+        raise OpenAIError(
+            f"{PATH} cannot carry your tenant's cache salt (SGLang's native API has no "
+            "cache_salt), so its prompts would share the cache with other tenants; use "
+            "/v1/completions, or a key whose tenant has shared_namespace: true",
+            status=403,
+            type="permission_error",
+            code="no_cache_salt",
+        )
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    body = load_json_object(raw)
+    model = the_only_model(state)
+    ex.model, ex.stream = model or "", body.get("stream") is True
+    block_size = state.config.block_size
+    keys: list[bytes] = []
+    prompt_tokens = 0
+    prompt = first_prompt(body)
+    view = state.serving(model) if model is not None else None
+    if prompt is not None and view is not None:
+        block_size = int(view.block_size)
+        request = parse_request(CompletionRequest, {"model": model, "prompt": prompt})
+        assert isinstance(request, CompletionRequest)
+        keyed = await state.keys.keys(request, view.model, block_size, "", len(raw))
+        keys, prompt_tokens = keyed.keys, keyed.prompt_tokens
+    ex.block_size = block_size
+    forwarded = Forward(
+        keys=keys,
+        prompt_tokens=prompt_tokens,
+        conversation=None,
+        model=model,
+        path=PATH,
+        body=raw,
+        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
+        stream=ex.stream,
+    )
+    await forward_watched(state, ex, forwarded, receive, send)
+
+
+def first_prompt(body: dict[str, Any]) -> str | list[int] | None:
+    """The prompt to key by: ``input_ids`` (ids, or the first of a batch) over ``text``
+    (a string, or the first of a batch); None when neither is usable (the replica answers
+    for the body: the gateway only routes)."""
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        ids = ids[0]
+    if isinstance(ids, list) and ids and all(_is_id(i) for i in ids):
+        return ids
+    text = body.get("text")
+    if isinstance(text, list) and text:
+        text = text[0]
+    return text if isinstance(text, str) and text else None
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
