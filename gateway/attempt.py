@@ -74,7 +74,7 @@ class Attempt:
         self.sent = True
         self.server_errored = False
         self.abandoned = False  # left by an exception that is not the replica's doing
-        self.no_verdict = False  # timed out, or refused the gateway's credentials
+        self.no_verdict = False  # timed out, busy, or refused the gateway's credentials
         self.first_byte_at: float | None = None  # perf_counter() at the answer's head
 
     def __enter__(self) -> Attempt:

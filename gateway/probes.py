@@ -178,6 +178,8 @@ async def refresh_names(state: GatewayState, fetched_at: dict[str, float]) -> No
         state.cards[view.replica_id] = served.cards
     for gone in fetched_at.keys() - state.router.replicas.keys():
         del fetched_at[gone]
+    for gone in state.cards.keys() - state.router.replicas.keys():
+        del state.cards[gone]  # replicas come and go (new pods, new addresses)
 
 
 async def add_static_replicas(state: GatewayState) -> list[str]:

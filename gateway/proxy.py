@@ -233,11 +233,10 @@ def _healthy(state: GatewayState, replica_id: str) -> bool:
 
 async def send_failure(send: Send, failure: UpstreamFailure, ex: Exchange) -> None:
     """After the retry: the last 5xx or 429 as it came (OpenAI-shaped, its Retry-After
-    kept), 503 with Retry-After
-    when the last replica tried had no free connection in time or the gateway had no file
-    descriptor to spare, 504 when the replica sent nothing within the read timeout, 502
-    naming the flag to fix when it refused the gateway's credentials, or 502 if none
-    answered."""
+    kept), 503 with Retry-After when the last replica tried had no free connection in time
+    or the gateway had no file descriptor to spare, 504 when the replica sent nothing
+    within the read timeout, 502 naming the flag to fix when it refused the gateway's
+    credentials, or 502 if none answered."""
     if failure.status is not None:
         after = {"Retry-After": failure.after} if failure.after else None
         await send_error_passthrough(send, failure.status, failure.body, ex, after)
