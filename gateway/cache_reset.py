@@ -28,10 +28,25 @@ SYNC_WAIT_S = 5.0  # how long the reset waits for the replicas' cleared events
 _POLL_S = 0.01
 
 
+# A vLLM serves /reset_prefix_cache only in its development mode.
+NOT_SERVED = (
+    "it serves neither /reset_prefix_cache nor /flush_cache (a vLLM serves the first only "
+    "with VLLM_SERVER_DEV_MODE=1 in its environment)"
+)
+
+
 async def reset_one(client: httpx.AsyncClient, url: str, timeout: float) -> dict[str, Any]:
-    """One replica's answer, or ``{"error": ...}`` (never raises for the replica's fault)."""
+    """One replica's answer, or ``{"error": ...}`` (never raises for the replica's fault).
+
+    The built-in replica and vLLM serve ``/reset_prefix_cache`` (vLLM answers ``{"success":
+    false}`` while running requests hold blocks, and older releases an empty 200); SGLang
+    serves ``/flush_cache`` instead, tried when the first is a 404."""
     try:
         response = await client.post(url + "/reset_prefix_cache", timeout=timeout)
+        if response.status_code == 404:
+            response = await client.post(url + "/flush_cache", timeout=timeout)
+            if response.status_code == 404:
+                return {"error": NOT_SERVED}
     except httpx.HTTPError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     if response.status_code != 200:
@@ -39,9 +54,12 @@ async def reset_one(client: httpx.AsyncClient, url: str, timeout: float) -> dict
     try:
         body = response.json()
     except ValueError:
-        return {"error": "the replica's answer is not JSON"}
-    seq = body.get("seq") if isinstance(body, dict) else None
-    freed = body.get("freed_blocks") if isinstance(body, dict) else None
+        body = None  # SGLang's plain text, an older vLLM's empty body: done, no sequence
+    if not isinstance(body, dict):
+        return {"freed_blocks": None, "seq": None}
+    if body.get("success") is False:
+        return {"error": "the engine did not reset: running requests hold blocks; retry when idle"}
+    seq, freed = body.get("seq"), body.get("freed_blocks")
     return {"freed_blocks": freed, "seq": seq if isinstance(seq, int) else None}
 
 

@@ -5,9 +5,9 @@ serves ``/v1/messages`` by turning the request into a chat completion. Such an a
 resends its whole system prompt, tool definitions and history at every step: the traffic
 this gateway exists for. The gateway answered 404.
 
-Now the request is read as vLLM reads it (``to_chat``: the system prompt first, then each
-message, ``tool_use`` blocks as tool calls, ``tool_result`` blocks as tool messages,
-tools as functions), keyed like a chat completion (gateway/routing.py) and routed like
+Now the request is read as vLLM (0.32) reads it (``to_chat``: the system prompt first,
+then each message, ``tool_use`` blocks as tool calls, ``tool_result`` blocks as tool
+messages, tools as functions), keyed like a chat completion (gateway/routing.py) and routed like
 one, and the body goes to the replica unchanged. Whether its keys equal the engine's
 depends on that reading matching the engine's rendering; where it does not, they still
 agree with each other, so the router's own inserts keep an agent's steps together. The
@@ -124,16 +124,15 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise _invalid("messages", "must be a list of messages")
-    system = [*_texts(body.get("system"), "system")]
-    for message in messages:
-        if isinstance(message, dict) and message.get("role") == "system":
-            system += _texts(message.get("content"), "messages")
+    system = _texts(body.get("system"), "system")
     chat: list[dict[str, Any]] = [{"role": "system", "content": "".join(system)}] if system else []
     for message in messages:
         if not isinstance(message, dict):
             raise _invalid("messages", "each message must be an object")
         role = message.get("role")
-        if role == "system":
+        if role == "system":  # where it stands, as vLLM 0.32 leaves it
+            if text := "".join(_texts(message.get("content"), "messages")):
+                chat.append({"role": "system", "content": text})
             continue
         if role not in ("user", "assistant"):
             raise _invalid("messages", f"role {role!r} is not user or assistant")

@@ -8,7 +8,7 @@ figures measure the gateway. Its answers are fixed text; flags make it fail on p
     python -m tests.support.stub_backend --port P [--model NAME] [--fail-status 500]
         [--fail-body TEXT] [--fail-on TEXT] [--break-after N] [--chunks N]
         [--delay-ms MS] [--health-status 503] [--alias NAME ...] [--lora NAME ...]
-        [--api-key KEY] [--retry-after SECONDS]
+        [--api-key KEY] [--retry-after SECONDS] [--reset none|vllm|vllm-busy|sglang]
 
 ``--fail-on TEXT`` fails only the requests whose body contains TEXT (a poison request;
 with ``--fail-status`` or 500); ``--health-status`` is what ``GET /health`` answers.
@@ -39,6 +39,16 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
+# (path, --reset) -> the answer: vLLM's cache reset (its development mode), busy or not;
+# SGLang's, under its own name.
+RESETS = {
+    ("/reset_prefix_cache", "vllm"): (200, b'{"success":true}'),
+    ("/reset_prefix_cache", "vllm-busy"): (200, b'{"success":false}'),
+    ("/flush_cache", "sglang"): (
+        200,
+        b"Cache flushed.\nPlease check backend logs.",
+    ),
+}
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
@@ -57,6 +67,7 @@ class StubConfig:
     loras: list[str] = field(default_factory=list)
     api_key: str | None = None
     retry_after: str | None = None  # a Retry-After header on failures
+    reset: str = "none"  # which engine's prefix-cache reset it serves (RESETS)
 
 
 @dataclass(slots=True)
@@ -91,6 +102,11 @@ class StubBackend:
             ]
             cards += [{**card, "id": name, "parent": c.model} for name in c.loras]
             await _send(send, 200, json.dumps({"object": "list", "data": cards}).encode())
+        elif method == "POST" and (path, self.config.reset) in RESETS:
+            status, body = RESETS[path, self.config.reset]
+            await _send(
+                send, status, body, b"application/json" if body[:1] == b"{" else b"text/plain"
+            )
         elif method == "GET" and path == "/stub/requests":
             await _send(send, 200, json.dumps(list(self.requests)).encode())
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
@@ -314,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora", action="append", default=[])
     parser.add_argument("--api-key")
     parser.add_argument("--retry-after")
+    parser.add_argument("--reset", choices=("none", "vllm", "vllm-busy", "sglang"), default="none")
     args = parser.parse_args(argv)
     config = StubConfig(
         model=args.model,
@@ -328,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         loras=args.lora,
         api_key=args.api_key,
         retry_after=args.retry_after,
+        reset=args.reset,
     )
     import uvicorn
 
