@@ -22,12 +22,19 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
-from gateway.handler import answer, forward_watched, open_exchange, read_body
+from gateway.handler import (
+    answer,
+    forward_watched,
+    open_exchange,
+    post_only,
+    read_body,
+    refuse_salted,
+)
 from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
-from prefixgate.wire import CompletionRequest, OpenAIError, parse_request
+from prefixgate.wire import CompletionRequest, parse_request
 
 PATH = "/generate"
 
@@ -45,21 +52,10 @@ async def _serve(
     send: Send,
     ex: Exchange,
 ) -> None:
-    if scope["method"] != "POST":
-        raise OpenAIError(
-            f"{scope['method']} {PATH}: Method Not Allowed", status=405, headers={"Allow": "POST"}
-        )
+    post_only(scope)
     tenant = state.auth.authenticate(headers.get("authorization"))
     ex.tenant = tenant.name
-    if state.auth.forwarded_salt(tenant, None) is not None:
-        raise OpenAIError(
-            f"{PATH} cannot carry your tenant's cache salt (SGLang's native API has no "
-            "cache_salt), so its prompts would share the cache with other tenants; use "
-            "/v1/completions, or a key whose tenant has shared_namespace: true",
-            status=403,
-            type="permission_error",
-            code="no_cache_salt",
-        )
+    refuse_salted(state, tenant, f"{PATH} (SGLang's native API)")
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     body = load_json_object(raw)
     model = the_only_model(state)

@@ -19,10 +19,12 @@ import logging
 import os
 import time
 from collections.abc import Awaitable
+from typing import NamedTuple
 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from gateway.auth import Tenant
 from gateway.exchange import Exchange
 from gateway.proxy import Forward, forward, forward_headers
 from gateway.reply import send_json
@@ -73,6 +75,50 @@ def open_exchange(scope: Scope, endpoint: str) -> tuple[dict[str, str], Exchange
     return headers, ex
 
 
+class ServedModel(NamedTuple):
+    route: str | None  # the name to route by; None: any replica (none has said yet)
+    tokenizer: str  # the model whose tokenizer keys the prompt
+    keys: str  # the model id of the keys (an adapter's own)
+    block_size: int
+
+
+def served_model(state: GatewayState, model: str) -> ServedModel:
+    """How a request for ``model`` is keyed and routed; a 404 when no replica serves it
+    (while some replica has not said what it serves, any of them may try)."""
+    view = state.serving(model)
+    if view is None:
+        if not state.has_unknown_model_replica():
+            raise unknown_model(model)
+        return ServedModel(None, model, model, state.config.block_size)
+    # An alias or an adapter is tokenized as the model it is served by.
+    return ServedModel(model, view.model, view.key_model(model), int(view.block_size))
+
+
+def post_only(scope: Scope) -> None:
+    """A 405 for any method but POST."""
+    if scope["method"] != "POST":
+        raise OpenAIError(
+            f"{scope['method']} {scope['path']}: Method Not Allowed",
+            status=405,
+            headers={"Allow": "POST"},
+        )
+
+
+def refuse_salted(state: GatewayState, tenant: Tenant, what: str) -> None:
+    """A 403 in keyed mode for a tenant with a salt of its own, on an API that cannot
+    carry ``cache_salt`` (``what``): its prompts would share the engine's cache with every
+    other tenant's."""
+    if state.auth.forwarded_salt(tenant, None) is not None:
+        raise OpenAIError(
+            f"{what} cannot carry your tenant's cache salt (it has no cache_salt), so its "
+            "prompts would share the cache with other tenants; use the OpenAI API, or a "
+            "key whose tenant has shared_namespace: true",
+            status=403,
+            type="permission_error",
+            code="no_cache_salt",
+        )
+
+
 async def answer(state: GatewayState, ex: Exchange, send: Send, serve: Awaitable[None]) -> None:
     """Await one request's serving; what it raises becomes the client's answer: an
     ``OpenAIError`` its status and body, a client gone a 499 in the log, anything else a
@@ -114,17 +160,7 @@ async def _serve(
     assert isinstance(parsed, ChatCompletionRequest | CompletionRequest)
     ex.model = parsed.model
     ex.stream = parsed.stream
-    view = state.serving(parsed.model)
-    route_model: str | None = parsed.model
-    tokenizer_model = key_model = parsed.model
-    if view is None:
-        if not state.has_unknown_model_replica():
-            raise unknown_model(parsed.model)
-        # Only replicas whose model is not known yet: let any of them try.
-        route_model, block_size = None, state.config.block_size
-    else:  # an alias or an adapter is tokenized as the model it is served by
-        block_size = int(view.block_size)
-        tokenizer_model, key_model = view.model, view.key_model(parsed.model)
+    route_model, tokenizer_model, key_model, block_size = served_model(state, parsed.model)
     ex.block_size = block_size
 
     salt = state.auth.forwarded_salt(tenant, parsed.cache_salt)

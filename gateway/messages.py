@@ -30,7 +30,15 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
-from gateway.handler import answer, forward_watched, open_exchange, read_body, unknown_model
+from gateway.handler import (
+    answer,
+    forward_watched,
+    open_exchange,
+    post_only,
+    read_body,
+    refuse_salted,
+    served_model,
+)
 from gateway.proxy import Forward, forward_headers
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
@@ -54,37 +62,17 @@ async def _serve(
     send: Send,
     ex: Exchange,
 ) -> None:
-    if scope["method"] != "POST":
-        raise OpenAIError(
-            f"{scope['method']} {PATH}: Method Not Allowed", status=405, headers={"Allow": "POST"}
-        )
+    post_only(scope)
     read_x_api_key(headers)
     tenant = state.auth.authenticate(headers.get("authorization"))
     ex.tenant = tenant.name
-    if state.auth.forwarded_salt(tenant, None) is not None:
-        raise OpenAIError(
-            f"{PATH} cannot carry your tenant's cache salt (the Messages API has no "
-            "cache_salt), so its prompts would share the cache with other tenants; use "
-            "/v1/chat/completions, or a key whose tenant has shared_namespace: true",
-            status=403,
-            type="permission_error",
-            code="no_cache_salt",
-        )
+    refuse_salted(state, tenant, f"{PATH} (the Messages API)")
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     body = load_json_object(raw)
     chat = parse_request(ChatCompletionRequest, to_chat(body))
     assert isinstance(chat, ChatCompletionRequest)
     ex.model, ex.stream = chat.model, body.get("stream") is True
-    view = state.serving(chat.model)
-    route_model: str | None = chat.model
-    tokenizer_model = key_model = chat.model
-    if view is None:
-        if not state.has_unknown_model_replica():
-            raise unknown_model(chat.model)
-        route_model, block_size = None, state.config.block_size
-    else:
-        block_size = int(view.block_size)
-        tokenizer_model, key_model = view.model, view.key_model(chat.model)
+    route_model, tokenizer_model, key_model, block_size = served_model(state, chat.model)
     ex.block_size = block_size
     prompt = await state.keys.keys(
         chat,

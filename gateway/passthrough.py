@@ -18,7 +18,14 @@ from __future__ import annotations
 from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
-from gateway.handler import answer, forward_watched, open_exchange, read_body, unknown_model
+from gateway.handler import (
+    answer,
+    forward_watched,
+    open_exchange,
+    post_only,
+    read_body,
+    unknown_model,
+)
 from gateway.messages import read_x_api_key
 from gateway.proxy import Forward, forward_headers
 from gateway.state import GatewayState
@@ -57,10 +64,7 @@ async def _serve(
     ex: Exchange,
 ) -> None:
     path = scope["path"]
-    if scope["method"] != "POST":
-        raise OpenAIError(
-            f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": "POST"}
-        )
+    post_only(scope)
     read_x_api_key(headers)
     ex.tenant = state.auth.authenticate(headers.get("authorization")).name
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
