@@ -112,8 +112,12 @@ class Bridge:
         self._wake = asyncio.Event()
         self._closing = False
         self._tasks: list[asyncio.Task[None]] = []
+        # The engine is infrastructure beside the bridge, as replicas are to the gateway:
+        # reached directly, never through the environment's HTTP_PROXY.
         self._http = httpx.AsyncClient(
-            timeout=config.http_timeout_s, headers=engine_headers(config.engine_api_key)
+            timeout=config.http_timeout_s,
+            headers=engine_headers(config.engine_api_key),
+            trust_env=False,
         )
         self.stats = BridgeStats()
 

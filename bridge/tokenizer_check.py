@@ -109,7 +109,8 @@ async def check(
     """One result per case; an engine that cannot tokenize a case fails that case."""
     engine_url = engine_url.rstrip("/")
     results = []
-    async with httpx.AsyncClient(timeout=timeout_s, headers=engine_headers(api_key)) as client:
+    headers = engine_headers(api_key)
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers, trust_env=False) as client:
         served = model or await engine_model_name(client, engine_url)
         for name, chat in cases.items():
             ours = tokenizer.encode_chat(chat, add_generation_prompt=True)

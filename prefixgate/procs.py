@@ -99,9 +99,15 @@ def _redis_pings(port: int) -> bool:
         return False
 
 
+# Health polls go straight to our own processes: never through the HTTP_PROXY of the
+# environment (a corporate machine's), which cannot reach 127.0.0.1, or `up` waited its
+# whole ready timeout for servers that were up.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with _DIRECT.open(url, timeout=timeout) as resp:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False

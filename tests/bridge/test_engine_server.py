@@ -133,3 +133,23 @@ async def test_data_parallel_ranks_behind_one_url_are_named(
         await bridge.stop()
         engine.close()
         http.stop()
+
+
+async def test_the_engine_is_reached_directly_whatever_the_proxy(
+    keyed_http: FakeEngineHTTP, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy set for the whole machine (HTTP_PROXY) cannot reach the engine beside the
+    bridge: the bridge never learned its model."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    engine, endpoint = make_engine(16)
+    bridge = Bridge(_config(keyed_http, endpoint, redis_server.url, KEY))
+    engine.start()
+    try:
+        await asyncio.wait_for(bridge.start(), 10)
+        assert bridge.config.model == "keyed-model"
+    finally:
+        await bridge.stop()
+        engine.close()
