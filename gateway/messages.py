@@ -39,6 +39,7 @@ from gateway.handler import (
     refuse_salted,
     served_model,
 )
+from gateway.messages_hooks import MessagesHooks
 from gateway.proxy import Forward, forward_headers
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
@@ -95,6 +96,7 @@ async def _serve(
         body=raw,
         headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
         stream=ex.stream,
+        hooks=MessagesHooks(),  # its streams end at message_stop, not [DONE]
     )
     await forward_watched(state, ex, request, receive, send)
 

@@ -47,11 +47,11 @@ class ResponsesScanner:
             self._event(event)
 
     def _event(self, event: bytes) -> None:
-        kind, data = _parts(event)
+        kind, data = event_parts(event)
         if kind is None and data is None:
             return  # a comment or a blank keep-alive
         if kind is None or kind in STARTING or kind in ENDING:
-            parsed = _object(data)
+            parsed = json_object(data)
             kind = kind or str(parsed.get("type", "")).encode()
             response = parsed.get("response")
             if isinstance(response, dict):
@@ -66,7 +66,7 @@ class ResponsesScanner:
             self.output = True
 
 
-def _parts(event: bytes) -> tuple[bytes | None, bytes | None]:
+def event_parts(event: bytes) -> tuple[bytes | None, bytes | None]:
     """An SSE event's name (``event:``) and data (``data:`` lines joined)."""
     kind: bytes | None = None
     data: list[bytes] = []
@@ -78,7 +78,7 @@ def _parts(event: bytes) -> tuple[bytes | None, bytes | None]:
     return kind, b"\n".join(data) if data else None
 
 
-def _object(data: bytes | None) -> dict[str, Any]:
+def json_object(data: bytes | None) -> dict[str, Any]:
     try:
         parsed = json.loads(data) if data else None
     except ValueError:
@@ -114,7 +114,7 @@ class ResponsesHooks:
         return ResponsesScanner(self.count_cached)
 
     def cached_tokens(self, body: bytes) -> int | None:
-        return cached_tokens_of(_object(body)) if self.count_cached else None
+        return cached_tokens_of(json_object(body)) if self.count_cached else None
 
     def error_event(self, message: str) -> dict[str, Any]:
         payload = {
@@ -131,7 +131,7 @@ class ResponsesHooks:
         if self.forget is not None and status in (200, 404):
             await self.affinity.forget(self.forget)
         elif self.record and status < 300:
-            response_id = _object(body).get("id")
+            response_id = json_object(body).get("id")
             if isinstance(response_id, str) and response_id:
                 await self._remember(replica_id, response_id)
 

@@ -5,6 +5,7 @@ The gateway answered 404 to ``/v1/messages`` before."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ import httpx
 import pytest
 
 from gateway.messages import to_chat
+from gateway.messages_hooks import MessagesScanner
 from prefixgate.wire import OpenAIError
+from tests.conftest import wait_until
 from tests.gateway.conftest import Server, start_gateway, start_stub, write_api_keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,9 +40,11 @@ class Servers:
         self.open = start_gateway(root, "open", urls)
         keys = str(write_api_keys(root / "keys.json"))
         self.keyed = start_gateway(root, "keyed", urls, "--api-keys", keys)
+        self.broken_stub = start_stub(root, "broken", "--model", MODEL, "--break-after", "2")
+        self.broken = start_gateway(root, "broken-gw", [self.broken_stub.url])
 
     def stop(self) -> None:
-        for server in (self.open, self.keyed, *self.stubs):
+        for server in (self.open, self.keyed, self.broken, self.broken_stub, *self.stubs):
             server.stop()
 
 
@@ -85,11 +90,47 @@ def test_an_agents_steps_stay_with_their_prefix(servers: Servers) -> None:
 
 
 def test_a_stream_passes_through_whole(servers: Servers) -> None:
+    """It ends at message_stop, with no [DONE]: the proxy took every finished Messages
+    stream for one the replica broke off, and appended an error event."""
     body = _step([{"role": "user", "content": "hi"}], 0, stream=True)
     with httpx.stream("POST", servers.open.url + "/v1/messages", json=body, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        request_id = r.headers["x-request-id"]
         text = r.read().decode()
-    assert text.startswith("event: message_start") and "event: message_stop" in text
+    assert text.startswith("event: message_start")
+    assert text.endswith('event: message_stop\ndata: {"type": "message_stop"}\n\n'), text
+
+    def logged() -> str | None:  # the access line is written once the exchange is over
+        lines = servers.open.log_text().splitlines()
+        return next((x for x in lines if request_id in x and "access " in x), None)
+
+    line = wait_until(logged, 10, "the access log line")
+    assert line is not None
+    access = json.loads(line.split("access ", 1)[1])
+    assert access["status"] == 200 and access["cached_tokens"] == 5, access
+
+
+def test_a_broken_stream_ends_with_anthropics_error_event(servers: Servers) -> None:
+    body = _step([{"role": "user", "content": "hi"}], 0, stream=True)
+    url = servers.broken.url + "/v1/messages"
+    with httpx.stream("POST", url, json=body, timeout=30) as r:
+        text = r.read().decode()
+    assert "event: content_block_delta" not in text  # broken after two events
+    last = text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ")
+    error = json.loads(last.split("data: ", 1)[1])
+    assert error["type"] == "error" and "incomplete" in error["error"]["message"]
+
+
+def test_the_scanner_reads_anthropics_events() -> None:
+    scanner = MessagesScanner()
+    start = {"type": "message_start", "message": {"usage": {"cache_read_input_tokens": 7}}}
+    scanner.feed(f"event: message_start\ndata: {json.dumps(start)}\n\nevent: ping\n".encode())
+    assert not scanner.output and scanner.cached_tokens == 7
+    scanner.feed(b'data: {}\n\nevent: content_block_delta\ndata: {"type": "x"}\n\n')
+    assert scanner.output and not scanner.done
+    scanner.feed(b'event: message_stop\ndata: {"type": "message_stop"}\n\n')
+    assert scanner.done
 
 
 def test_keys_and_tenants(servers: Servers) -> None:

@@ -192,7 +192,7 @@ class StubBackend:
             await _send(send, 200, json.dumps({"input_tokens": len(body["messages"])}).encode())
             return
         text = {"type": "text", "text": "tok0 tok1"}
-        usage = {"input_tokens": 8, "output_tokens": 2}
+        usage = {"input_tokens": 8, "output_tokens": 2, "cache_read_input_tokens": 5}
         message = {"id": "msg_stub", "type": "message", "role": "assistant", "model": body["model"]}
         if not body.get("stream"):
             answer = {**message, "content": [text], "stop_reason": "end_turn", "usage": usage}
@@ -209,7 +209,9 @@ class StubBackend:
             {"type": "message_stop"},
         ]
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        for data in events:
+        for i, data in enumerate(events):
+            if self.config.break_after is not None and i >= self.config.break_after:
+                raise ConnectionAbortedError("stub: breaking the stream on purpose")
             chunk = f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
