@@ -21,28 +21,17 @@ from typing import Any
 
 from gateway.answer_hooks import StreamScanner
 from gateway.responses_hooks import event_parts, json_object
-from gateway.usage import sse_events
+from gateway.usage import EventScanner
 
 STARTING = frozenset({b"message_start", b"ping"})  # before any output
 ENDING = frozenset({b"message_stop", b"error"})
 WITH_USAGE = frozenset({b"message_start", b"message_delta"})
 
 
-class MessagesScanner:
+class MessagesScanner(EventScanner):
     """Watches a Messages event stream: first output, end, cached tokens."""
 
-    __slots__ = ("cached_tokens", "done", "output", "tail")
-
-    def __init__(self) -> None:
-        self.tail = b""
-        self.done = False
-        self.output = False
-        self.cached_tokens: int | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        events, self.tail = sse_events(self.tail, chunk)
-        for event in events:
-            self._event(event)
+    __slots__ = ()
 
     def _event(self, event: bytes) -> None:
         kind, data = event_parts(event)

@@ -21,30 +21,22 @@ from typing import Any
 
 from gateway.answer_hooks import StreamScanner
 from gateway.response_affinity import Owner, ResponseAffinity
-from gateway.usage import sse_events
+from gateway.usage import EventScanner
 
 STARTING = frozenset({b"response.created", b"response.in_progress"})  # before any output
 ENDING = frozenset({b"response.completed", b"response.incomplete", b"response.failed", b"error"})
 
 
-class ResponsesScanner:
+class ResponsesScanner(EventScanner):
     """Watches a Responses event stream: its id, first output, end and (``count_cached``)
     cached tokens."""
 
-    __slots__ = ("cached_tokens", "count_cached", "done", "output", "response_id", "tail")
+    __slots__ = ("count_cached", "response_id")
 
     def __init__(self, count_cached: bool = True) -> None:
+        super().__init__()
         self.count_cached = count_cached
-        self.tail = b""
-        self.done = False
-        self.output = False
-        self.cached_tokens: int | None = None
         self.response_id: str | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        events, self.tail = sse_events(self.tail, chunk)
-        for event in events:
-            self._event(event)
 
     def _event(self, event: bytes) -> None:
         kind, data = event_parts(event)

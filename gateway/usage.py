@@ -23,15 +23,16 @@ def sse_events(tail: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
     return events, rest
 
 
-class SSEScanner:
-    """Watches a passing SSE stream for its first output, ``[DONE]`` and the usage
-    chunk, without copying more than the one event that straddles a chunk boundary."""
+class EventScanner:
+    """Watches a passing SSE stream, one whole event at a time (``_event``), without
+    copying more than the one event that straddles a chunk boundary: its first output,
+    its end, and the cached tokens its usage reports."""
 
     __slots__ = ("cached_tokens", "done", "output", "tail")
 
     def __init__(self) -> None:
         self.tail = b""
-        self.done = False
+        self.done = False  # the stream's last event went by
         self.output = False  # an event with generated output went by
         self.cached_tokens: int | None = None
 
@@ -39,6 +40,15 @@ class SSEScanner:
         events, self.tail = sse_events(self.tail, chunk)
         for event in events:
             self._event(event)
+
+    def _event(self, event: bytes) -> None:
+        raise NotImplementedError
+
+
+class SSEScanner(EventScanner):
+    """A chat or completions stream: output, ``[DONE]``, ``prompt_tokens_details``."""
+
+    __slots__ = ()
 
     def _event(self, event: bytes) -> None:
         if event.startswith(b"data: [DONE]"):
