@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -59,6 +60,20 @@ def post(base: str, path: str, body: dict[str, Any]) -> tuple[int, str | None, A
     return r.status_code, r.headers.get("x-prefixgate-route"), usage
 
 
+def wait_for_index(gateway: str, ok: Callable[[int], bool], what: str) -> None:
+    """Poll ``gateway``'s index (its blocks on every replica, optimistic ones left out)
+    until ``ok``; fail after 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        replicas = httpx.get(gateway + "/router/stats", timeout=10).json()["replicas"]
+        blocks = sum(r["blocks"] - r["optimistic_blocks"] for r in replicas.values())
+        if ok(blocks):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within 30 s ({blocks} blocks)")
+        time.sleep(0.1)  # the polling period
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--a", default="http://127.0.0.1:8800", help="the gateway of `up`")
@@ -67,10 +82,11 @@ def main() -> None:
     args = p.parse_args()
     reset = httpx.post(args.a + "/reset_prefix_cache", timeout=60)  # start from an empty cache
     print("reset:", reset.status_code)
-    time.sleep(3)  # the engine's "cleared" event reaches gateway B
+    wait_for_index(args.b, lambda blocks: blocks == 0, "the engine's cleared event in B")
     first = request(1, "Which file holds the router?", args.tools)
     print("A, messages 1:", post(args.a, "/v1/messages", first))
-    time.sleep(3)  # the engine's events reach Redis and gateway B
+    if not args.tools:  # with tools the engine refuses it: no event comes to wait for
+        wait_for_index(args.b, lambda blocks: blocks > 0, "the engine's stored events in B")
     second = request(2, "Where are the tests?", args.tools)
     print(
         "B, messages 2 (another billing hash and question):", post(args.b, "/v1/messages", second)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from prefixgate.envflags import add_env_flag
+from prefixgate.envflags import add_env_flag, api_key_value
 
 VLLM_KEY_VAR = "VLLM_API_KEY"
 
@@ -27,12 +27,9 @@ def add_engine_api_key_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_api_key(value: str | None) -> str | None:
-    """The key to send: the flag's, else ``VLLM_API_KEY``'s, else None. It goes into a
-    header line, so a control character (a newline pasted with it) is refused."""
-    key = value or os.environ.get(VLLM_KEY_VAR) or None
-    if key is not None and (not (key.isascii() and key.isprintable()) or key != key.strip()):
-        raise ValueError("--engine-api-key: printable ASCII only, no surrounding spaces")
-    return key
+    """The key to send: the flag's, else ``VLLM_API_KEY``'s, else None (checked as a
+    header value, ``api_key_value``)."""
+    return api_key_value("engine-api-key", value or os.environ.get(VLLM_KEY_VAR))
 
 
 def engine_headers(key: str | None) -> dict[str, str] | None:

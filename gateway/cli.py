@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
-from prefixgate.envflags import add_env_flag, add_env_list_flag
+from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from prefixgate.open_files import prepare_open_files
@@ -179,16 +179,6 @@ def with_cors(app: Any, origins: list[str]) -> Any:
     )
 
 
-def upstream_api_key(value: str | None) -> str | None:
-    """The --upstream-api-key, or None when empty; it goes into a header line, so a
-    control character (a newline pasted with it) is refused rather than sent."""
-    if not value:
-        return None
-    if not (value.isascii() and value.isprintable()) or value != value.strip():
-        raise ValueError("--upstream-api-key: printable ASCII only, no surrounding spaces")
-    return value
-
-
 def _memo_bytes(mb: float) -> int:
     if not math.isfinite(mb) or mb < 0:
         raise ValueError(f"--key-memo-mb must be a number of MiB >= 0, got {mb}")
@@ -205,7 +195,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         policy=args.policy,
         router=with_options(RouterConfig(), args.router_option),
         api_keys_path=Path(args.api_keys) if args.api_keys else None,
-        upstream_api_key=upstream_api_key(args.upstream_api_key),
+        upstream_api_key=api_key_value("upstream-api-key", args.upstream_api_key),
         models=args.model,
         tokenizer=args.tokenizer,
         chat_template=chat_template,

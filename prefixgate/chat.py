@@ -8,14 +8,12 @@ cache at work: the second call lands on the same replica and reports cached toke
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
 import openai
-from openai import DefaultHttpxClient, OpenAI
+from openai import OpenAI
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 REPLICA_HEADER = "x-prefixgate-replica"
@@ -91,31 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def is_loopback(url: str) -> bool:
-    """Whether ``url`` names this machine (a gateway `prefixgate up` started)."""
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def direct_client() -> DefaultHttpxClient:
-    """An HTTP client that ignores the environment's HTTP_PROXY: a proxy cannot reach
-    this machine's loopback, and `prefixgate chat` found no gateway behind one."""
-    return DefaultHttpxClient(trust_env=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    client = OpenAI(
-        base_url=args.base_url,
-        api_key=args.api_key,
-        max_retries=0,
-        http_client=direct_client() if is_loopback(args.base_url) else None,
-    )
+    client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
     try:
         model = args.model or pick_model(client)
         result = chat(client, args.prompt, model, args.max_tokens, args.conversation_id)

@@ -2,12 +2,22 @@
 
 Each subcommand lives with the code it runs and is imported only when chosen, so that
 ``prefixgate gateway`` never imports torch.
+
+A proxy set for the whole machine (``HTTP_PROXY``, as on corporate machines) cannot reach
+127.0.0.1: ``up`` waited its whole ready timeout for servers that were up, and ``chat``
+and ``bench`` found no gateway. Every command reaches this machine's own servers directly:
+the loopback names join ``NO_PROXY``, which urllib, httpx and every child read.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from collections.abc import MutableMapping
+
+PROXY_VARS = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+LOOPBACK = ("127.0.0.1", "localhost")
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replica": ("replica.cli", "serve one model replica with an OpenAI API"),
@@ -27,7 +37,18 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def bypass_proxy_for_loopback(environ: MutableMapping[str, str] = os.environ) -> None:
+    """With a proxy set, add this machine's loopback names to ``NO_PROXY`` (both
+    spellings; the hosts already there stay)."""
+    if not any(environ.get(var) for var in PROXY_VARS):
+        return
+    for var in ("NO_PROXY", "no_proxy"):
+        hosts = [h.strip() for h in environ.get(var, "").split(",") if h.strip()]
+        environ[var] = ",".join([*hosts, *(h for h in LOOPBACK if h not in hosts)])
+
+
 def main(argv: list[str] | None = None) -> int:
+    bypass_proxy_for_loopback()
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(usage())

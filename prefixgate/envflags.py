@@ -102,3 +102,14 @@ def _convert(
     if choices is not None and value not in choices:
         parser.error(f"{var}={raw!r} is not one of {', '.join(map(str, choices))}")
     return value
+
+
+def api_key_value(flag: str, value: str | None) -> str | None:
+    """An API key given to ``--flag`` (None when empty). It goes into an Authorization
+    header line, so a control character (a newline pasted with it) or surrounding space
+    is refused rather than sent."""
+    if not value:
+        return None
+    if not (value.isascii() and value.isprintable()) or value != value.strip():
+        raise ValueError(f"--{flag}: printable ASCII only, no surrounding spaces")
+    return value
