@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from gateway.messages import to_chat
+from prefixgate.wire_messages import to_chat
 
 SYSTEM = (
     "You are a careful coding agent working in a large Python repository. Read the files "

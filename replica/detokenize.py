@@ -58,6 +58,7 @@ class StopCheck(NamedTuple):
 class StopStringMatcher:
     stops: Sequence[str]
     held: str = ""  # text not yet emitted: it may be the start of a stop string
+    matched: str | None = None  # the stop string that ended the output (vLLM's stop_reason)
 
     def feed(self, text: str) -> StopCheck:
         pending = self.held + text
@@ -66,10 +67,11 @@ class StopStringMatcher:
             return StopCheck(pending, False)
         # Anything that could start a stop string was held back, so a stop string lies
         # wholly inside ``pending``; the earliest one wins.
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := pending.find(s)) >= 0]
         if hits:
             self.held = ""
-            return StopCheck(pending[: min(hits)], True)
+            at, self.matched = min(hits)
+            return StopCheck(pending[:at], True)
         keep = self._longest_stop_prefix_suffix(pending)
         self.held = pending[len(pending) - keep :] if keep else ""
         return StopCheck(pending[: len(pending) - keep], False)

@@ -24,6 +24,7 @@ class Choice:
     index: int
     text: str
     finish_reason: str | None
+    stop_reason: str | None = None  # the stop string that ended it, as vLLM reports
 
 
 class Usage(NamedTuple):
@@ -58,6 +59,7 @@ def chat_completion(
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             for c in choices
         ],
@@ -74,6 +76,7 @@ def chat_chunk(
     content: str | None = None,
     role: str | None = None,
     finish_reason: str | None = None,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
@@ -86,7 +89,13 @@ def chat_chunk(
         "created": created,
         "model": model,
         "choices": [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
         ],
     }
 
@@ -100,7 +109,13 @@ def text_completion(
         "created": created,
         "model": model,
         "choices": [
-            {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             for c in choices
         ],
         "usage": use.as_dict(),
@@ -108,7 +123,13 @@ def text_completion(
 
 
 def text_chunk(
-    id_: str, model: str, created: int, index: int, text: str, finish_reason: str | None
+    id_: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
     return {
         "id": id_,
@@ -116,7 +137,13 @@ def text_chunk(
         "created": created,
         "model": model,
         "choices": [
-            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            {
+                "index": index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
         ],
     }
 

@@ -108,6 +108,7 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    stop_reason: str | None = None  # on the last: the stop string that ended the choice
 
 
 @dataclass(slots=True)
@@ -127,6 +128,7 @@ class ChoiceOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    stop_reason: str | None = None  # the stop string that ended it, as vLLM reports
 
 
 @dataclass(slots=True)
@@ -195,7 +197,13 @@ class RequestState:
             total_s=self.finished_at - t0,
         )
         choices = [
-            ChoiceOutput(s.index, s.output_token_ids, s.text, s.finish_reason or "abort")
+            ChoiceOutput(
+                s.index,
+                s.output_token_ids,
+                s.text,
+                s.finish_reason or "abort",
+                s.stop_matcher.matched,
+            )
             for s in self.sequences
         ]
         return RequestOutput(
@@ -263,7 +271,7 @@ class SequenceState:
                     text += self.stop_matcher.flush()
         self.text += text
         self.finish_reason = finish
-        return Delta(self.index, [token_id], text, finish)
+        return Delta(self.index, [token_id], text, finish, self.stop_matcher.matched)
 
     def _drain(self) -> str:
         tail = self.stop_matcher.feed(self.detokenizer.flush())

@@ -73,6 +73,17 @@ async def run_job(job: Job, request: Request, replica: Replica) -> Response:
             # before the generator started (its `finally` then never runs).
             background=BackgroundTask(_cancel_unfinished, handle, job, replica),
         )
+    output = await collect_whole(job, handle, clock, request, replica)
+    if output is None:
+        return Response(status_code=499)
+    return JSONResponse(_full_body(job, output))
+
+
+async def collect_whole(
+    job: Job, handle: RequestHandle, clock: JobClock, request: Request, replica: Replica
+) -> RequestOutput | None:
+    """A whole answer's finished output, observed; None when the client left first (its
+    blocks are freed at once). An engine failure is a 500."""
     collect = asyncio.create_task(_collect(handle, clock, replica))
     gone = asyncio.create_task(_client_gone(request))
     try:
@@ -84,12 +95,12 @@ async def run_job(job: Job, request: Request, replica: Replica) -> Response:
             collect.cancel()
         gone.cancel()
     if not collect.done() or collect.cancelled():
-        return Response(status_code=499)
+        return None
     output = collect.result()
     if output.error is not None:
         raise _engine_error(output.error)
     _observe(job, output, clock, replica)
-    return JSONResponse(_full_body(job, output))
+    return output
 
 
 def _engine_error(message: str) -> OpenAIError:
@@ -125,7 +136,8 @@ def _output(handle: RequestHandle) -> RequestOutput:
 
 def _full_body(job: Job, output: RequestOutput) -> dict[str, Any]:
     choices = [
-        fmt.Choice(c.index, job.echo_prefix + c.text, c.finish_reason) for c in output.choices
+        fmt.Choice(c.index, job.echo_prefix + c.text, c.finish_reason, c.stop_reason)
+        for c in output.choices
     ]
     use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
     build = fmt.chat_completion if job.chat else fmt.text_completion
@@ -177,6 +189,7 @@ async def _stream(
                     delta.index,
                     content=delta.text or None,
                     finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
                 )
             else:
                 chunk = fmt.text_chunk(
@@ -186,6 +199,7 @@ async def _stream(
                     delta.index,
                     delta.text,
                     delta.finish_reason,
+                    delta.stop_reason,
                 )
             yield fmt.sse(chunk)
         output = _output(handle)

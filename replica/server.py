@@ -26,6 +26,7 @@ from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
 from replica.jobs import job_from_chat, job_from_completion, off_loop_if_large
+from replica.messages import add_messages_routes
 from replica.respond import run_job
 from replica.responses import add_response_routes
 from replica.state import Replica
@@ -170,6 +171,7 @@ def create_app(replica: Replica) -> FastAPI:
 
     add_response_routes(app, replica)
     add_tokenize_routes(app, replica)
+    add_messages_routes(app, replica)
     return app
 
 

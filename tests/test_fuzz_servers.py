@@ -1,15 +1,15 @@
 """Property-based fuzz of both servers' completion bodies, against real processes.
 
 One ``tiny-random`` replica and one gateway in front of it. Hypothesis (fixed seed) draws
-request bodies for ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
-``/tokenize``, valid and hostile (``tests.support.fuzz_bodies``), and each body goes to
-both servers.
+request bodies for ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``,
+``/tokenize`` and ``/v1/messages``, valid and hostile (``tests.support.fuzz_bodies``), and
+each body goes to both servers.
 
 The property, for every body on every server: an answer within the client timeout, never
-a 5xx, a 4xx that is an OpenAI error envelope, and a 200 stream that ends (``[DONE]``, or
-a Responses stream's ``response.completed``) and carries no error event. Every violation
-is collected (with the body that caused it) and the test fails once at the end listing
-them all, grouped by input class.
+a 5xx, a 4xx that is an OpenAI error envelope, and a 200 stream that ends (``[DONE]``,
+or a Responses stream's ``response.completed``, a Messages stream's ``message_stop``)
+and carries no error event. Every violation is collected (with the body that caused it)
+and the test fails once at the end listing them all, grouped by input class.
 When a body leaves the replica unhealthy (its engine stopped), both servers are
 restarted so that the remaining bodies still test something; the wedging body is a
 violation of its own.

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -393,3 +394,113 @@ def test_bad_responses_requests_are_4xx(cluster: Cluster, body: dict[str, Any]) 
         r = httpx.post(url + "/v1/responses", json=body, timeout=30)
         assert 400 <= r.status_code < 500, (url, r.status_code, r.text)
         assert isinstance(r.json()["error"]["message"], str)
+
+
+# Anthropic's Messages API on the built-in replica, through the gateway, driven by the
+# official anthropic client (Claude Code's traffic).
+ANTHROPIC_WEATHER: Any = {
+    "name": "get_weather",
+    "description": "Current weather in a city.",
+    "input_schema": WEATHER["function"]["parameters"],
+}
+
+
+def _anthropic(cluster: Cluster) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=cluster.gateway.url, api_key="x", max_retries=0)
+
+
+def test_messages_tool_loop_stays_on_one_replica_and_hits_its_cache(cluster: Cluster) -> None:
+    c = _anthropic(cluster)
+    system = f"You are a weather agent. Session {time.time()}."
+    question: Any = {"role": "user", "content": "What is the weather in Paris?"}
+    first = c.messages.with_raw_response.create(
+        model=MODEL, system=system, messages=[question], tools=[ANTHROPIC_WEATHER],
+        max_tokens=64, metadata={"user_id": "claude-session-1"},
+    )  # fmt: skip
+    called = first.parse()
+    replica = first.headers["x-prefixgate-replica"]
+    assert called.type == "message" and called.role == "assistant"
+    assert called.stop_reason == "tool_use" and called.stop_sequence is None
+    (call,) = called.content
+    assert call.type == "tool_use" and call.name == "get_weather"
+    assert call.input == {"city": "Paris"}
+    assert called.usage.input_tokens > 0 and called.usage.output_tokens > 0
+
+    result: Any = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C"}],
+    }
+    history: Any = [question, {"role": "assistant", "content": called.content}, result]
+    second = c.messages.with_raw_response.create(
+        model=MODEL, system=system, messages=history, tools=[ANTHROPIC_WEATHER],
+        max_tokens=64, metadata={"user_id": "claude-session-1"},
+    )  # fmt: skip
+    answer = second.parse()
+    assert second.headers["x-prefixgate-replica"] == replica
+    assert answer.stop_reason == "end_turn"
+    assert [block.type for block in answer.content] == ["text"]
+    assert answer.content[0].text == ANSWER  # type: ignore[union-attr]
+    # The whole first prompt was cached, less at most its last partial block.
+    whole_first = called.usage.input_tokens + (called.usage.cache_read_input_tokens or 0)
+    cached = answer.usage.cache_read_input_tokens or 0
+    assert cached >= whole_first - 16 > 0
+    counted = c.messages.count_tokens(
+        model=MODEL, system=system, messages=history, tools=[ANTHROPIC_WEATHER]
+    )
+    assert counted.input_tokens == answer.usage.input_tokens + cached
+    metrics = httpx.get(cluster.gateway.url + "/metrics", timeout=10).text
+    assert 'endpoint="messages"' in metrics
+
+
+def test_streamed_messages_events(cluster: Cluster) -> None:
+    c = _anthropic(cluster)
+    kinds: list[str] = []
+    with c.messages.stream(
+        model=MODEL,
+        messages=[{"role": "user", "content": "weather, streamed"}],
+        tools=[ANTHROPIC_WEATHER],
+        max_tokens=64,
+    ) as stream:
+        kinds = [event.type for event in stream]
+        called = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert called.stop_reason == "tool_use"
+    (call,) = called.content
+    assert call.type == "tool_use" and call.input == {"city": "Paris"}
+
+    # Stopped by a stop sequence, streamed: the text before it, and which one it was.
+    with c.messages.stream(
+        model=MODEL,
+        messages=[{"role": "user", "content": "say hello"}],
+        max_tokens=64,
+        stop_sequences=["nothing", "script"],
+    ) as stream:
+        text = "".join(stream.text_stream)
+        stopped = stream.get_final_message()
+    assert text == "Hello from the " == stopped.content[0].text  # type: ignore[union-attr]
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "script")
+    assert stopped.usage.output_tokens > 0
+    assert (stopped.usage.cache_read_input_tokens or 0) >= 0
+
+    cut = c.messages.create(
+        model=MODEL, messages=[{"role": "user", "content": "say hello"}], max_tokens=2
+    )
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+
+
+def test_bad_messages_requests_are_anthropic_errors(cluster: Cluster) -> None:
+    c = _anthropic(cluster)
+    with pytest.raises(anthropic.NotFoundError):
+        c.messages.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    for body in (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+         "tool_choice": {"type": "tool"}, "tools": [ANTHROPIC_WEATHER]},
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+         "stop_sequences": "x"},
+        {"model": MODEL, "messages": "hi", "max_tokens": 4},
+    ):  # fmt: skip
+        r = httpx.post(cluster.replicas[0].url + "/v1/messages", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "invalid_request_error"

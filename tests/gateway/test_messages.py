@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.messages import to_chat
 from gateway.messages_hooks import MessagesScanner
 from prefixgate.wire import OpenAIError
+from prefixgate.wire_messages import to_chat
 from tests.conftest import wait_until
 from tests.gateway.conftest import Server, start_gateway, start_stub, write_api_keys
 

@@ -43,7 +43,16 @@ def test_stop_string_prefix_is_held_until_decided() -> None:
 
 def test_stop_string_inside_one_piece_cuts_before_it() -> None:
     m = StopStringMatcher(["\n\n", "###"])
+    assert m.matched is None
     assert m.feed("one\ntwo###three\n\n") == ("one\ntwo", True)
+    assert m.matched == "###"  # the earliest in the text, not the first listed
+
+
+def test_the_stop_string_that_matched_is_recorded_across_pieces() -> None:
+    m = StopStringMatcher(["END", "STOP"])
+    assert m.feed("a ST").text == "a "
+    assert m.matched is None
+    assert m.feed("OP") == ("", True) and m.matched == "STOP"
 
 
 def test_held_text_is_released_when_output_ends() -> None:

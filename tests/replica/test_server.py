@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -188,6 +189,15 @@ def test_completions_token_ids_n_seed_and_stop(replica: ReplicaProcess) -> None:
         assert cut.choices[0].finish_reason == "stop"
         assert stop not in cut.choices[0].text
         assert text.startswith(cut.choices[0].text)
+        # Which stop string ended it, as vLLM reports it (whole and streamed).
+        assert cut.choices[0].model_extra == {"stop_reason": stop}
+        chunks = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], stream=True
+        )
+        reasons = [(c.choices[0].finish_reason, c.choices[0].model_extra) for c in chunks]
+        assert reasons[-1] == ("stop", {"stop_reason": stop})
+        assert all(extra == {"stop_reason": None} for _, extra in reasons[:-1])
+    assert greedy.choices[0].model_extra == {"stop_reason": None}
 
     sampled = [
         client.completions.create(
@@ -378,3 +388,46 @@ def test_cli_flags_come_from_env_and_command_line_wins(monkeypatch: pytest.Monke
     args = build_parser().parse_args(["--port", "9100"])
     assert (args.kv_cache_mb, args.model, args.port) == (512, "tiny-random", 9100)
     assert args.host == "127.0.0.1" and args.block_size == 16 and args.redis_url is None
+
+
+def test_messages_api_on_a_replica_without_a_tool_parser(replica: ReplicaProcess) -> None:
+    """Anthropic's Messages API as vLLM serves it, with the official client: an answer,
+    its usage, and counts that equal the chat's (tools included, parser or none)."""
+    c = anthropic.Anthropic(base_url=replica.url, api_key="x", max_retries=0)
+    user: Any = {"role": "user", "content": "What is the weather in Paris?"}
+    tool: Any = {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    answer = c.messages.create(model=MODEL, system="Be brief.", messages=[user], max_tokens=3)
+    assert answer.type == "message" and answer.model == MODEL
+    assert answer.stop_reason in ("max_tokens", "end_turn") and answer.content[0].type == "text"
+    assert answer.usage.output_tokens == 3 or answer.stop_reason == "end_turn"
+    prompt = answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+    assert (
+        c.messages.count_tokens(model=MODEL, system="Be brief.", messages=[user]).input_tokens
+        == prompt
+    )
+
+    chat: Any = {"role": "system", "content": "Be brief."}
+    function = {
+        "type": "function",
+        "function": {
+            "name": tool["name"],
+            "description": tool["description"],
+            "parameters": tool["input_schema"],
+        },
+    }
+    tokenized = httpx.post(
+        replica.url + "/tokenize",
+        json={"model": MODEL, "messages": [chat, user], "tools": [function]},
+        timeout=30,
+    ).json()
+    counted = c.messages.count_tokens(
+        model=MODEL, system="Be brief.", messages=[user], tools=[tool]
+    )
+    assert counted.input_tokens == tokenized["count"]  # (this template leaves tools out)
+    # Tools ask for an answer parsed for calls (tool_choice auto), which needs the parser.
+    with pytest.raises(anthropic.BadRequestError, match="--tool-call-parser"):
+        c.messages.create(model=MODEL, messages=[user], tools=[tool], max_tokens=3)

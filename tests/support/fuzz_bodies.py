@@ -2,15 +2,16 @@
 answer must have. Used by tests/test_fuzz_servers.py and by the chaos benchmark's longer
 fuzz run (benchmarks/chaos_fuzz.py).
 
-``cases`` draws bodies for ``/v1/completions``, ``/v1/chat/completions`` and
-``/v1/responses``: valid ones with small ``max_tokens``, valid ones with fields mutated
-to hostile values (lone surrogates, numbers outside int64 or float range, tiny
-temperatures, wrong types, huge lists), raw bytes that are not JSON or not UTF-8, JSON
-nested deep (but small enough to send), number literals too long for Python's int
-parser. ``check`` says what was wrong with a server's answer: no answer within the
-client timeout, a 5xx, a 4xx that is not an OpenAI error envelope, or a 200 stream that
-carries an error event or lacks its end (``[DONE]``; a Responses stream's
-``response.completed``).
+``cases`` draws bodies for ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/responses``, ``/tokenize`` and Anthropic's ``/v1/messages``: valid ones with small
+``max_tokens``, valid ones with fields mutated to hostile values (lone surrogates,
+numbers outside int64 or float range, tiny temperatures, wrong types, huge lists), raw
+bytes that are not JSON or not UTF-8, JSON nested deep (but small enough to send),
+number literals too long for Python's int parser. ``check`` says what was wrong with a
+server's answer: no answer within the client timeout, a 5xx, a 4xx that is not an OpenAI
+error envelope, or a 200 stream that carries an error event or lacks its end
+(``[DONE]``; a Responses stream's ``response.completed``, a Messages stream's
+``message_stop``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from hypothesis import strategies as st
 MODEL = "tiny-random"
 VOCAB = 49_152  # SmolLM2's tokenizer, which tiny-random shares
 CLIENT_TIMEOUT_S = 10.0  # no honest answer here takes more than a fraction of this
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize")
+PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/v1/messages",
+)
 
 
 @dataclass(slots=True)
@@ -213,6 +220,8 @@ RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 def valid_mutated(draw: st.DrawFn, path: str) -> Case:
     if path.endswith("/responses"):
         return draw(valid_mutated_response())
+    if path.endswith("/messages"):
+        return draw(valid_mutated_message())
     body: dict[str, Any] = {"model": MODEL, "max_tokens": draw(small_max_tokens)}
     if path.endswith("chat/completions") or (path == "/tokenize" and draw(st.booleans())):
         body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}]
@@ -271,6 +280,99 @@ def valid_mutated_response(draw: st.DrawFn) -> Case:
     return Case(path, _dump(body, {}), label)
 
 
+# Anthropic's Messages API's own fields; temperature, top_p, top_k from FIELD_VALUES.
+MESSAGES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "messages": st.one_of(
+        st.lists(
+            st.one_of(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["user", "assistant"]), "content": hostile_text}
+                ),
+                st.fixed_dictionaries(
+                    {
+                        "role": st.just("user"),
+                        "content": st.lists(
+                            st.one_of(
+                                st.fixed_dictionaries(
+                                    {"type": st.just("text"), "text": hostile_text}
+                                ),
+                                st.fixed_dictionaries(
+                                    {
+                                        "type": st.just("tool_result"),
+                                        "tool_use_id": hostile_text,
+                                        "content": st.one_of(hostile_text, json_values),
+                                    }
+                                ),
+                                st.fixed_dictionaries(
+                                    {
+                                        "type": st.just("tool_use"),
+                                        "id": hostile_text,
+                                        "name": hostile_text,
+                                        "input": json_values,
+                                    }
+                                ),
+                                json_values,
+                            ),
+                            max_size=3,
+                        ),
+                    }
+                ),
+                json_values,
+            ),
+            max_size=3,
+        ),
+        json_values,
+    ),
+    "system": st.one_of(
+        hostile_text,
+        st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": hostile_text})),
+        json_values,
+    ),
+    "max_tokens": bad_max_tokens,
+    "stop_sequences": st.one_of(st.lists(hostile_text, max_size=5), json_values),
+    "tools": st.one_of(
+        st.lists(
+            st.fixed_dictionaries(
+                {"name": hostile_text, "input_schema": st.one_of(st.just({}), json_values)}
+            ),
+            max_size=2,
+        ),
+        json_values,
+    ),
+    "tool_choice": st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["auto", "any", "none", "tool", "x"]), "name": hostile_text}
+        ),
+        json_values,
+    ),
+    "metadata": st.one_of(st.fixed_dictionaries({"user_id": hostile_text}), json_values),
+}
+
+
+@st.composite
+def valid_mutated_message(draw: st.DrawFn) -> Case:
+    path = "/v1/messages"
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": draw(small_max_tokens),
+        "messages": [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}],
+    }
+    pool = {**MESSAGES_FIELDS, **{k: FIELD_VALUES[k] for k in ("model", "temperature", "top_p")}}
+    pool["top_k"] = FIELD_VALUES["top_k"]
+    names = []
+    for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 3]))):
+        name = draw(st.sampled_from([*pool, "<unknown>"]))
+        if name == "<unknown>":
+            body[draw(hostile_text)] = draw(json_values)
+        else:
+            body[name] = draw(pool[name])
+        names.append(name)
+    if draw(st.integers(0, 4)) == 0:
+        body["stream"] = True
+    label = "messages mutated " + (",".join(sorted(set(names))) or "none (valid)")
+    return Case(path, _dump(body, {}), label)
+
+
 @st.composite
 def raw_body(draw: st.DrawFn, path: str) -> Case:
     valid: dict[str, Any] = {"model": MODEL, "max_tokens": 1, "prompt": "hi"}
@@ -278,6 +380,8 @@ def raw_body(draw: st.DrawFn, path: str) -> Case:
         valid = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     elif path.endswith("/responses"):
         valid = {"model": MODEL, "max_output_tokens": 1, "input": "hi"}
+    elif path.endswith("/messages"):
+        valid = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     text = json.dumps(valid).encode()
     depth = draw(st.integers(2, 3000))
     kind = draw(
@@ -342,6 +446,12 @@ def check(client: httpx.Client, server: str, base: str, case: Case) -> str | Non
                 f"event: response.{end}" in resp.text for end in ("completed", "incomplete")
             ):
                 return f"stream without response.completed: {resp.text[-200:]}"
+            return None
+        if case.path.endswith("/messages"):  # named events ending at message_stop
+            if "event: error" in resp.text:
+                return f"error event in a 200 stream: {resp.text[-300:]}"
+            if "event: message_stop" not in resp.text:
+                return f"stream without message_stop: {resp.text[-200:]}"
             return None
         errors = [line for line in resp.text.splitlines() if line.startswith('data: {"error"')]
         if errors:
