@@ -46,11 +46,12 @@ def events(client: anthropic.Anthropic, **kwargs: Any) -> list[str]:
     kinds: list[str] = []
     with client.messages.stream(**kwargs) as stream:
         for event in stream:
-            kind = event.type
+            seen: Any = event
+            kind: str = seen.type
             if kind in ("text", "input_json"):
                 continue  # the SDK's own derived events
             if kind == "content_block_delta":
-                kind += f"({event.delta.type})"
+                kind += f"({seen.delta.type})"
             if not kinds or kinds[-1] != kind:  # repeated deltas collapsed
                 kinds.append(kind)
         final = stream.get_final_message()
@@ -66,6 +67,7 @@ def errors(base: str) -> list[tuple[int, Any]]:
     out = []
     for body in bad:
         r = httpx.post(base + "/v1/messages", json=body, timeout=60)
+        kind: Any
         try:
             payload = r.json()
             kind = (payload.get("type"), sorted(payload.get("error", {})))
