@@ -37,6 +37,7 @@ from prefixgate.wire import (
     error_body,
     parse_request,
 )
+from prefixgate.wire_messages import error_payload
 from router.conversation import conversation_key
 
 log = logging.getLogger("prefixgate.gateway")
@@ -119,21 +120,32 @@ def refuse_salted(state: GatewayState, tenant: Tenant, what: str) -> None:
         )
 
 
-async def answer(state: GatewayState, ex: Exchange, send: Send, serve: Awaitable[None]) -> None:
+async def answer(
+    state: GatewayState,
+    ex: Exchange,
+    send: Send,
+    serve: Awaitable[None],
+    anthropic: bool = False,
+) -> None:
     """Await one request's serving; what it raises becomes the client's answer: an
     ``OpenAIError`` its status and body, a client gone a 499 in the log, anything else a
-    500 (or, mid-answer, a dropped connection). The exchange is finished either way."""
+    500 (or, mid-answer, a dropped connection). The exchange is finished either way.
+    ``anthropic``: the body in Anthropic's shape, for the Messages API's clients."""
     try:
         await serve
     except OpenAIError as err:
-        await send_json(send, err.status, err.body(), ex, err.headers)
+        body = error_payload(err.status, err.message) if anthropic else err.body()
+        await send_json(send, err.status, body, ex, err.headers)
     except ClientGone:
         ex.status = 499
     except Exception:
         log.exception("request %s failed inside the gateway", ex.request_id)
         if ex.responded:
             raise  # mid-answer: nothing left to do but drop the connection
-        body = error_body("The gateway failed on this request.", type="server_error")
+        message = "The gateway failed on this request."
+        body = (
+            error_payload(500, message) if anthropic else error_body(message, type="server_error")
+        )
         await send_json(send, 500, body, ex)
     finally:
         ex.finish(state.metrics)

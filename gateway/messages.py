@@ -47,7 +47,7 @@ PATH = "/v1/messages"
 
 async def serve_messages(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
     headers, ex = open_exchange(scope, "messages")
-    await answer(state, ex, send, _serve(state, scope, headers, receive, send, ex))
+    await answer(state, ex, send, _serve(state, scope, headers, receive, send, ex), anthropic=True)
 
 
 async def _serve(

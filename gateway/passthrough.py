@@ -32,6 +32,7 @@ from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import OpenAIError
 
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"  # Anthropic's: its errors are Anthropic's
 # path -> endpoint label (logs and metrics)
 PASSTHROUGH_PATHS: dict[str, str] = {
     "/tokenize": "tokenize",
@@ -44,7 +45,7 @@ PASSTHROUGH_PATHS: dict[str, str] = {
     "/rerank": "rerank",
     "/v1/rerank": "rerank",
     "/v2/rerank": "rerank",
-    "/v1/messages/count_tokens": "count_tokens",  # Anthropic's (gateway/messages.py)
+    COUNT_TOKENS_PATH: "count_tokens",  # Anthropic's (gateway/messages.py)
 }
 
 
@@ -52,7 +53,8 @@ async def serve_passthrough(
     state: GatewayState, scope: Scope, receive: Receive, send: Send
 ) -> None:
     headers, ex = open_exchange(scope, PASSTHROUGH_PATHS[scope["path"]])
-    await answer(state, ex, send, _serve(state, scope, headers, receive, send, ex))
+    serving = _serve(state, scope, headers, receive, send, ex)
+    await answer(state, ex, send, serving, anthropic=scope["path"] == COUNT_TOKENS_PATH)
 
 
 async def _serve(

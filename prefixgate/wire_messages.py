@@ -26,6 +26,24 @@ from prefixgate.wire import OpenAIError
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request system block
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_payload(status: int, message: str) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     """The whole chat completion request a Messages request runs as: its prompt
     (``to_chat``) and its generation."""

@@ -33,30 +33,13 @@ from starlette.background import BackgroundTask
 
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import OpenAIError
-from prefixgate.wire_messages import chat_request
+from prefixgate.wire_messages import chat_request, error_payload
 from replica.handle import RequestHandle
 from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
 from replica.request import RequestOutput
 from replica.respond import _cancel_unfinished, _engine_error, _observe, _submit, collect_whole
 from replica.state import Replica
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
-
-# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def error_payload(status: int, message: str) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(err: OpenAIError) -> JSONResponse:

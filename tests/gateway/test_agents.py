@@ -490,9 +490,17 @@ def test_streamed_messages_events(cluster: Cluster) -> None:
 
 def test_bad_messages_requests_are_anthropic_errors(cluster: Cluster) -> None:
     c = _anthropic(cluster)
-    with pytest.raises(anthropic.NotFoundError):
+    with pytest.raises(anthropic.NotFoundError) as found:
         c.messages.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    for body in (
+    # The gateway's own errors on the Messages API are Anthropic's shape too.
+    body: Any = found.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+    assert "nope" in body["error"]["message"]
+    counted = httpx.post(
+        cluster.gateway.url + "/v1/messages/count_tokens", json={"model": "nope"}, timeout=30
+    )
+    assert counted.status_code == 404 and counted.json()["error"]["type"] == "not_found_error"
+    for bad in (
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
          "tool_choice": {"type": "tool"}, "tools": [ANTHROPIC_WEATHER]},
@@ -500,7 +508,8 @@ def test_bad_messages_requests_are_anthropic_errors(cluster: Cluster) -> None:
          "stop_sequences": "x"},
         {"model": MODEL, "messages": "hi", "max_tokens": 4},
     ):  # fmt: skip
-        r = httpx.post(cluster.replicas[0].url + "/v1/messages", json=body, timeout=30)
-        assert r.status_code == 400, r.text
-        assert r.json()["type"] == "error"
-        assert r.json()["error"]["type"] == "invalid_request_error"
+        for url in (cluster.gateway.url, cluster.replicas[0].url):
+            r = httpx.post(url + "/v1/messages", json=bad, timeout=30)
+            assert r.status_code == 400, (url, r.text)
+            assert r.json()["type"] == "error"
+            assert r.json()["error"]["type"] == "invalid_request_error"
