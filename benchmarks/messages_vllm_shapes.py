@@ -37,8 +37,7 @@ def shape(message: Any) -> dict[str, Any]:
         "content types": [b["type"] for b in body["content"]],
         "stop": (body["stop_reason"], body["stop_sequence"]),
         "usage fields": sorted(k for k, v in body["usage"].items() if v is not None),
-        "prompt tokens": body["usage"]["input_tokens"]
-        + (body["usage"].get("cache_read_input_tokens") or 0),
+        "prompt tokens": sum(v or 0 for k, v in body["usage"].items() if "input" in k),
     }
 
 
@@ -79,7 +78,7 @@ def errors(base: str) -> list[tuple[int, Any]]:
 
 def run(base: str) -> dict[str, Any]:
     c = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=300)
-    common: dict[str, Any] = {"model": MODEL, "system": SYSTEM, "temperature": 0}
+    common: dict[str, Any] = {"model": MODEL, "system": SYSTEM, "extra_body": {"temperature": 0}}
     whole = c.messages.create(**common, messages=[USER], max_tokens=24)
     first_word = next((w for w in whole.content[0].text.split() if len(w) > 3), "the")  # type: ignore[union-attr]
     stopped = c.messages.create(

@@ -2,7 +2,7 @@
 streamed) and ``POST /v1/messages/count_tokens``, as vLLM 0.32 serves them.
 
 Claude Code and other Anthropic clients send ``ANTHROPIC_BASE_URL`` traffic to the
-gateway, which routes it to a replica (gateway/messages.py); vLLM serves it, and now so
+gateway, which routes it to a replica (gateway/messages.py); vLLM serves it, and so
 does the built-in replica (``make demo``, sim clusters). A request runs as the chat
 completion it reads as (prefixgate/wire_messages.py): rendered, checked and tool-parsed
 exactly as a chat, so an agent's steps share their cached blocks with each other and with
@@ -10,13 +10,14 @@ the gateway's keys.
 
 The answer is Anthropic's: content blocks (``text``, then ``tool_use`` with the parsed
 arguments as ``input``), ``stop_reason`` (``end_turn``, ``max_tokens``,
-``stop_sequence`` with the string that matched, ``tool_use``) and usage with
-``cache_read_input_tokens`` (``input_tokens`` is the uncached rest, as Anthropic counts
-it). A stream is ``message_start`` at the first token (the prefill is over, as vLLM
-sends it), content blocks, ``message_delta`` with the stop reason and usage, then
-``message_stop``; an engine failure mid-stream is an ``error`` event. Errors are
-Anthropic-shaped (``{"type": "error", "error": {"type", "message"}}``) with the status
-and ``Retry-After`` of the OpenAI error they stand for.
+``stop_sequence`` with the string that matched, ``tool_use``) and usage split as vLLM
+splits it: ``cache_read_input_tokens`` read from the cache,
+``cache_creation_input_tokens`` written to it (the prompt's other full blocks),
+``input_tokens`` the rest. A stream is ``message_start`` at the first token (the prefill
+is over, as vLLM sends it), content blocks, ``message_delta`` with the stop reason and
+usage, then ``message_stop``; an engine failure mid-stream is an ``error`` event. Errors
+are Anthropic-shaped (``{"type": "error", "error": {"type", "message"}}``) with the
+status and ``Retry-After`` of the OpenAI error they stand for.
 """
 
 from __future__ import annotations
@@ -51,9 +52,13 @@ def sse(kind: str, payload: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(out: RequestOutput, block_size: int) -> dict[str, int]:
+    """Anthropic's split of the prompt, as vLLM makes it: tokens read from the cache,
+    tokens written to it (the prompt's full blocks not read), and the rest."""
+    written = max(0, out.prompt_tokens // block_size * block_size - out.cached_tokens)
     return {
-        "input_tokens": out.prompt_tokens - out.cached_tokens,
+        "input_tokens": out.prompt_tokens - out.cached_tokens - written,
+        "cache_creation_input_tokens": written,
         "cache_read_input_tokens": out.cached_tokens,
         "output_tokens": out.completion_tokens,
     }
@@ -84,8 +89,9 @@ def tool_use(call: ParsedCall) -> dict[str, Any]:
 class Message:
     """One message being made: its job and the message object around its content."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, block_size: int) -> None:
         self.job = job
+        self.block_size = block_size
         self.id = f"msg_{uuid.uuid4().hex}"
         self.clock = JobClock(start=time.perf_counter())
 
@@ -101,7 +107,7 @@ class Message:
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": usage(out) if out is not None else None,
+            "usage": usage(out, self.block_size) if out is not None else None,
         }
 
     def finish(self, out: RequestOutput) -> dict[str, Any]:
@@ -129,7 +135,7 @@ async def create(request: Request, replica: Replica) -> Response:
         return job_from_chat(chat_request(body), replica), body.get("stream") is True
 
     job, stream = await off_loop_if_large(len(raw), read)
-    message = Message(job)
+    message = Message(job, int(replica.engine.pool.block_size))
     handle = _submit(job, replica)
     if stream:
         return StreamingResponse(
@@ -196,7 +202,10 @@ async def _events(
     reason, sequence = stop_reason(out, bool(calls))
     yield sse(
         "message_delta",
-        {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(out)},
+        {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage(out, message.block_size),
+        },
     )
     yield sse("message_stop", {})
 

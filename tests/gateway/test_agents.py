@@ -405,6 +405,12 @@ ANTHROPIC_WEATHER: Any = {
 }
 
 
+def _prompt_tokens(usage: Any) -> int:
+    """Anthropic's three parts of a prompt, added up."""
+    parts = (usage.cache_read_input_tokens, usage.cache_creation_input_tokens)
+    return int(usage.input_tokens + sum(part or 0 for part in parts))
+
+
 def _anthropic(cluster: Cluster) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=cluster.gateway.url, api_key="x", max_retries=0)
 
@@ -425,6 +431,9 @@ def test_messages_tool_loop_stays_on_one_replica_and_hits_its_cache(cluster: Clu
     assert call.type == "tool_use" and call.name == "get_weather"
     assert call.input == {"city": "Paris"}
     assert called.usage.input_tokens > 0 and called.usage.output_tokens > 0
+    whole_first = _prompt_tokens(called.usage)
+    read, written = called.usage.cache_read_input_tokens, called.usage.cache_creation_input_tokens
+    assert written == whole_first // 16 * 16 - (read or 0) > 0  # the full blocks not read
 
     result: Any = {
         "role": "user",
@@ -441,13 +450,12 @@ def test_messages_tool_loop_stays_on_one_replica_and_hits_its_cache(cluster: Clu
     assert [block.type for block in answer.content] == ["text"]
     assert answer.content[0].text == ANSWER  # type: ignore[union-attr]
     # The whole first prompt was cached, less at most its last partial block.
-    whole_first = called.usage.input_tokens + (called.usage.cache_read_input_tokens or 0)
     cached = answer.usage.cache_read_input_tokens or 0
     assert cached >= whole_first - 16 > 0
     counted = c.messages.count_tokens(
         model=MODEL, system=system, messages=history, tools=[ANTHROPIC_WEATHER]
     )
-    assert counted.input_tokens == answer.usage.input_tokens + cached
+    assert counted.input_tokens == _prompt_tokens(answer.usage)
     metrics = httpx.get(cluster.gateway.url + "/metrics", timeout=10).text
     assert 'endpoint="messages"' in metrics
 

@@ -404,7 +404,8 @@ def test_messages_api_on_a_replica_without_a_tool_parser(replica: ReplicaProcess
     assert answer.type == "message" and answer.model == MODEL
     assert answer.stop_reason in ("max_tokens", "end_turn") and answer.content[0].type == "text"
     assert answer.usage.output_tokens == 3 or answer.stop_reason == "end_turn"
-    prompt = answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+    parts = (answer.usage.cache_read_input_tokens, answer.usage.cache_creation_input_tokens)
+    prompt = answer.usage.input_tokens + sum(part or 0 for part in parts)
     assert (
         c.messages.count_tokens(model=MODEL, system="Be brief.", messages=[user]).input_tokens
         == prompt
