@@ -30,7 +30,7 @@ from prefixgate.wire_responses import ResponsesRequest, chat_body, input_message
 from replica.handle import RequestHandle
 from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
 from replica.request import RequestOutput
-from replica.respond import _cancel_unfinished, _collect, _engine_error, _observe, _submit
+from replica.respond import _cancel_unfinished, _engine_error, _observe, _submit, collect_whole
 from replica.state import Replica
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
 
@@ -165,13 +165,9 @@ async def create(request: Request, replica: Replica) -> Response:
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(_cancel_unfinished, handle, job, replica),
         )
-    try:
-        out = await _collect(handle, turn.clock, replica)
-    finally:
-        _cancel_unfinished(handle, job, replica)  # the client left or we were cancelled
-    if out.error is not None:
-        raise _engine_error(out.error)
-    _observe(job, out, turn.clock, replica)
+    out = await collect_whole(job, handle, turn.clock, request, replica)
+    if out is None:  # the client left: its blocks are already free
+        return Response(status_code=499)
     return JSONResponse(turn.finish(out, replica))
 
 

@@ -305,35 +305,46 @@ def test_reset_prefix_cache_empties_the_cache_and_publishes_cleared(
     assert _chat(client, "Before the reset?").usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_streaming_disconnect_frees_blocks(replica: ReplicaProcess) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": list(range(3000, 3100)),
-        "max_tokens": 1500,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with httpx.stream("POST", replica.url + "/v1/completions", json=body, timeout=30) as resp:
+# A long answer each API is still writing when its client leaves: 3,500 tokens, 12 s or
+# more here (greedy on tiny-random runs to the limit; the Messages and Responses APIs have
+# no ignore_eos). Its blocks must be free within a fraction of that.
+STORY = "Tell me a long story about a gateway."
+LONG_ANSWERS: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"prompt": list(range(3000, 3100)), "ignore_eos": True, "max_tokens": 3500},
+    "/v1/messages": {
+        "messages": [{"role": "user", "content": STORY}],
+        "temperature": 0,
+        "max_tokens": 3500,
+    },
+    "/v1/responses": {"input": STORY, "temperature": 0, "max_output_tokens": 3500},
+}
+FREED_WITHIN_S = 5.0
+
+
+@pytest.mark.parametrize("path", LONG_ANSWERS)
+def test_streaming_disconnect_frees_blocks(replica: ReplicaProcess, path: str) -> None:
+    body = {"model": MODEL, "stream": True, **LONG_ANSWERS[path]}
+    with httpx.stream("POST", replica.url + path, json=body, timeout=30) as resp:
         lines = resp.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         assert replica.cache_stats()["pinned_blocks"] > 0
     wait_until(
-        lambda: replica.cache_stats()["pinned_blocks"] == 0, timeout_s=15, what="no pinned blocks"
+        lambda: replica.cache_stats()["pinned_blocks"] == 0,
+        timeout_s=FREED_WITHIN_S,
+        what="no pinned blocks",
     )
     assert replica.metric("prefixgate:num_requests_running") == 0
 
 
-def test_non_streaming_disconnect_frees_blocks(replica: ReplicaProcess) -> None:
-    body = {
-        "model": MODEL,
-        "prompt": list(range(4000, 4100)),
-        "max_tokens": 1500,
-        "ignore_eos": True,
-    }
+@pytest.mark.parametrize("path", LONG_ANSWERS)
+def test_non_streaming_disconnect_frees_blocks(replica: ReplicaProcess, path: str) -> None:
+    body = {"model": MODEL, **LONG_ANSWERS[path]}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(replica.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
+        httpx.post(replica.url + path, json=body, timeout=httpx.Timeout(1.0))
     wait_until(
-        lambda: replica.cache_stats()["pinned_blocks"] == 0, timeout_s=15, what="no pinned blocks"
+        lambda: replica.cache_stats()["pinned_blocks"] == 0,
+        timeout_s=FREED_WITHIN_S,
+        what="no pinned blocks",
     )
     assert replica.metric("prefixgate:num_requests_running") == 0
 
