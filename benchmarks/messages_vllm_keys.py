@@ -13,7 +13,9 @@ shares A's Redis but has routed nothing, so its index holds only what the engine
 events say (through the bridge). B then routes a request with the same system prompt,
 another billing hash and another question: its ``x-prefixgate-route`` says how many of
 the prompt's blocks its keys found in the engine's cache, and the engine's usage how many
-tokens it read from it. A chat completion of the same conversation is the control.
+tokens it read from it. A chat completion of the same conversation is the control; a
+last one carries Claude Code's billing block as its first system part, as a gateway that
+turns Messages requests into chat completions (LiteLLM) sends it: vLLM drops the line.
 """
 
 from __future__ import annotations
@@ -94,6 +96,15 @@ def main() -> None:
     chat = to_chat(request(3, "What does the gateway do?", args.tools))
     print(
         "B, the same as a chat (control):",
+        post(args.b, "/v1/chat/completions", {**chat, "max_tokens": 4}),
+    )
+    # As a gateway that turns Claude Code's requests into chat completions (LiteLLM) sends
+    # it: the system blocks as text parts, the billing header first.
+    translated = request(4, "How are replicas chosen?", args.tools)
+    chat = to_chat(translated)
+    chat["messages"][0]["content"] = translated["system"]
+    print(
+        "B, as a chat with the billing header (a translating gateway's):",
         post(args.b, "/v1/chat/completions", {**chat, "max_tokens": 4}),
     )
 

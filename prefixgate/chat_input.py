@@ -11,6 +11,8 @@ agree, and both agree with a vLLM engine serving the same template:
   dict (what tool-use templates expect; invalid JSON or a non-object becomes ``{}``, as
   vLLM does so that a conversation with one bad call can go on); an empty list is dropped;
 * ``tool_call_id`` on tool messages and ``name`` on any message are kept;
+* system messages lose Claude Code's per-request attribution line, as vLLM drops it
+  (``without_billing_header``);
 * ``developer`` messages keep their role and carry ``tools`` (null unless sent); a
   template that never names the developer role gets them as ``system`` messages, all
   system messages merged into the first (``prefixgate.tokenizer``, as vLLM does);
@@ -28,6 +30,8 @@ from typing import Any
 from prefixgate.tools import tool_dicts
 from prefixgate.wire import ChatCompletionRequest, ChatMessage, OpenAIError
 
+# Claude Code's per-request attribution line at the head of its system prompt.
+BILLING_HEADER = "x-anthropic-billing-header"
 # Template variables the request may not set through chat_template_kwargs: the renderer
 # sets them itself.
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "chat_template", "tokenize"})
@@ -90,7 +94,10 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
 
 def conversation_message(message: ChatMessage) -> dict[str, Any]:
     """One message as vLLM hands it to the template."""
-    out: dict[str, Any] = {"role": message.role, "content": message_content(message)}
+    content = message_content(message)
+    if message.role == "system":
+        content = without_billing_header(content)
+    out: dict[str, Any] = {"role": message.role, "content": content}
     if message.role == "assistant" and message.tool_calls:
         out["tool_calls"] = [
             {
@@ -146,6 +153,33 @@ def message_content(message: ChatMessage) -> str | list[dict[str, Any]]:
                 param="messages",
             )
         parts.append({"type": "text", "text": part.text, **(part.model_extra or {})})
+    return parts
+
+
+def without_billing_header(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A system message without Claude Code's attribution line, as vLLM renders it.
+
+    Claude Code starts its system prompt with ``x-anthropic-billing-header: ...; cch=...``,
+    whose hash changes with every request. A gateway that turns its Messages requests into
+    chat completions (LiteLLM) keeps the line; vLLM (0.32) drops it from system messages
+    before rendering, or no two of an agent's steps would share even their first block.
+    The line goes; the rest of its text, if any, stays; a part left empty goes."""
+
+    def strip(text: str) -> str | None:
+        if not text.startswith(BILLING_HEADER):
+            return text
+        return text.partition("\n")[2] or None
+
+    if isinstance(content, str):
+        rest = strip(content)
+        return [] if rest is None else rest
+    parts = []
+    for part in content:
+        text = part.get("text")
+        if not isinstance(text, str):
+            parts.append(part)
+        elif (rest := strip(text)) is not None:
+            parts.append(part if rest is text else {**part, "text": rest})
     return parts
 
 

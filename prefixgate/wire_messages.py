@@ -21,10 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from prefixgate.chat_input import BILLING_HEADER
 from prefixgate.wire import OpenAIError
-
-BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request system block
-
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {
@@ -130,12 +128,14 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _texts(content: object, param: str) -> list[str]:
-    """The text of a system prompt: a string, or its text blocks (less Claude Code's
-    billing header, as vLLM leaves it out)."""
+    """The text of a system prompt: a string, or its text blocks, less those that are
+    Claude Code's billing header, as vLLM leaves them out. (A top-level string keeps the
+    header: the chat rendering drops its line, as vLLM's does; a system message in
+    ``messages`` that starts with it goes whole, as in vLLM.)"""
     if content is None or content == "":
         return []
     if isinstance(content, str):
-        return [content]
+        return [content] if param == "system" or not content.startswith(BILLING_HEADER) else []
     if not isinstance(content, list):
         raise _invalid(param, "system content must be a string or a list of blocks")
     return [
