@@ -7,7 +7,8 @@
     .venv/bin/python benchmarks/messages_vllm_keys.py [--tools]
 
 The engine's cache is reset first, through A (start ``up`` with VLLM_SERVER_DEV_MODE=1 in
-its environment: vLLM serves the reset only then). Gateway A (``up``'s) serves one
+its environment: vLLM serves the reset only then), and a one-token request follows it:
+vLLM publishes its cleared event only at its next scheduling step. Gateway A (``up``'s) serves one
 Messages request with a long system prompt behind Claude Code's billing block. Gateway B
 shares A's Redis but has routed nothing, so its index holds only what the engine's own
 events say (through the bridge). B then routes a request with the same system prompt,
@@ -84,6 +85,14 @@ def main() -> None:
     args = p.parse_args()
     reset = httpx.post(args.a + "/reset_prefix_cache", timeout=60)  # start from an empty cache
     print("reset:", reset.status_code)
+    # vLLM queues its cleared event until its next scheduling step: a short request (no
+    # full block, so no stored event) brings it out.
+    hello = {
+        "model": "smollm2-135m",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    httpx.post(args.a + "/v1/chat/completions", json=hello, timeout=60)
     wait_for_index(args.b, lambda blocks: blocks == 0, "the engine's cleared event in B")
     first = request(1, "Which file holds the router?", args.tools)
     print("A, messages 1:", post(args.a, "/v1/messages", first))

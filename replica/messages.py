@@ -221,7 +221,8 @@ async def count_tokens(request: Request, replica: Replica) -> dict[str, Any]:
         return job_from_chat(chat_request(body), replica)
 
     job = await off_loop_if_large(len(raw), read)
-    return {"input_tokens": len(job.prompt_ids)}
+    count = len(job.prompt_ids)
+    return {"input_tokens": count, "context_management": {"original_input_tokens": count}}
 
 
 def add_messages_routes(app: FastAPI, replica: Replica) -> None:

@@ -440,6 +440,8 @@ def test_messages_api_on_a_replica_without_a_tool_parser(replica: ReplicaProcess
         model=MODEL, system="Be brief.", messages=[user], tools=[tool]
     )
     assert counted.input_tokens == tokenized["count"]  # (this template leaves tools out)
+    management = (counted.model_extra or {}).get("context_management")  # as vLLM answers
+    assert management == {"original_input_tokens": tokenized["count"]}
     # Tools ask for an answer parsed for calls (tool_choice auto), which needs the parser.
     with pytest.raises(anthropic.BadRequestError, match="--tool-call-parser"):
         c.messages.create(model=MODEL, messages=[user], tools=[tool], max_tokens=3)
