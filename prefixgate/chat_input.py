@@ -10,7 +10,8 @@ agree, and both agree with a vLLM engine serving the same template:
 * assistant ``tool_calls`` are kept, each ``function.arguments`` JSON string decoded to a
   dict (what tool-use templates expect; invalid JSON or a non-object becomes ``{}``, as
   vLLM does so that a conversation with one bad call can go on); an empty list is dropped;
-* ``tool_call_id`` on tool messages and ``name`` on any message are kept;
+* ``tool_call_id`` on tool messages and ``name`` on any message are kept; an assistant's
+  ``reasoning`` (or ``reasoning_content``) goes to the template under both names;
 * system messages lose Claude Code's per-request attribution line, as vLLM drops it
   (``without_billing_header``);
 * ``developer`` messages keep their role and carry ``tools`` (null unless sent); a
@@ -109,6 +110,8 @@ def conversation_message(message: ChatMessage) -> dict[str, Any]:
             }
             for call in message.tool_calls
         ]
+    if message.role == "assistant" and (reasoning := assistant_reasoning(message)) is not None:
+        out["reasoning"] = out["reasoning_content"] = reasoning
     if message.role == "tool" and message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
@@ -116,6 +119,20 @@ def conversation_message(message: ChatMessage) -> dict[str, Any]:
     if message.role == "developer":
         out["tools"] = (message.model_extra or {}).get("tools")
     return out
+
+
+def assistant_reasoning(message: ChatMessage) -> str | None:
+    """An assistant turn's reasoning sent back in the history (``reasoning``, or the older
+    ``reasoning_content``), which vLLM hands the template under both names: reasoning
+    models' templates render it (Qwen3 between ``<think>`` tags in the turns after the
+    last user message: every step of an agent's tool loop)."""
+    extra = message.model_extra or {}
+    reasoning = extra.get("reasoning")
+    if reasoning is None:
+        reasoning = extra.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise OpenAIError("an assistant message's reasoning must be a string", param="messages")
+    return reasoning
 
 
 def without_developer_role(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

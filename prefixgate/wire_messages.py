@@ -3,7 +3,8 @@ completion it becomes. Torch-free; shared by the gateway (keys) and the built-in
 (prompt and sampling), so both render the same conversation.
 
 The reading is vLLM 0.32's (``vllm/entrypoints/anthropic/serving.py``): the system prompt
-first, then each message; ``tool_use`` blocks become the assistant's tool calls,
+first, then each message; ``tool_use`` blocks become the assistant's tool calls and
+``thinking`` blocks its ``reasoning`` (which reasoning models' templates render),
 ``tool_result`` blocks tool messages before the user's own text; tools become functions.
 Claude Code's first system block (``x-anthropic-billing-header: ...; cch=...``) changes
 with every request; vLLM leaves it out of the prompt, and so does this reading, or no two
@@ -150,8 +151,9 @@ def _texts(content: object, param: str) -> list[str]:
 
 
 def _message(role: str, content: object) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages: itself (text, image parts, tool calls),
-    with a user's tool results as tool messages before it."""
+    """One Anthropic message as chat messages: itself (text, image parts, tool calls, its
+    ``thinking`` blocks as ``reasoning``), with a user's tool results as tool messages
+    before it."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
@@ -159,12 +161,15 @@ def _message(role: str, content: object) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
+    thinking: list[str] = []
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str) and block["text"]:
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image" and isinstance(block.get("source"), dict):
             parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            thinking.append(block["thinking"])
         elif kind == "tool_use":
             arguments = json.dumps(block.get("input") or {})
             name = str(block.get("name") or "")
@@ -185,6 +190,8 @@ def _message(role: str, content: object) -> list[dict[str, Any]]:
                 }
             )
     message: dict[str, Any] = {"role": role}
+    if thinking:
+        message["reasoning"] = "".join(thinking)
     if calls:
         message["tool_calls"] = calls
     if len(parts) == 1 and parts[0]["type"] == "text":
