@@ -79,9 +79,11 @@ def effective_tool_choice(
 
 
 def tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
-    """Tool definitions as vLLM hands them to the chat template (its ``tool.model_dump()``):
-    the known fields only, ``description`` and ``parameters`` even when null, ``strict``
-    and ``defer_loading`` inside ``function`` only when set, ``defer_loading`` at the top."""
+    """Tool definitions as vLLM (0.32) hands them to the chat template (its
+    ``tool.model_dump()``): the known fields only, ``description`` and ``parameters`` even
+    when null, ``strict`` and ``defer_loading`` only when set (``defer_loading`` at the top
+    also inside ``function``). A null left in would be rendered: 8 more tokens a tool, and
+    keys that match none of the engine's from the tools on."""
     if tools is None:
         return None
     out = []
@@ -102,5 +104,8 @@ def tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
             fn_defer = defer
         if fn_defer is not None:
             function["defer_loading"] = fn_defer
-        out.append({"type": "function", "function": function, "defer_loading": defer})
+        wrapped: dict[str, Any] = {"type": "function", "function": function}
+        if defer is not None:
+            wrapped["defer_loading"] = defer
+        out.append(wrapped)
     return out
