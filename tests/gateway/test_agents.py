@@ -460,6 +460,29 @@ def test_messages_tool_loop_stays_on_one_replica_and_hits_its_cache(cluster: Clu
     assert 'endpoint="messages"' in metrics
 
 
+def test_claude_codes_beta_messages_and_billing_block(cluster: Cluster) -> None:
+    """Claude Code calls ``/v1/messages?beta=true`` with a system prompt behind a billing
+    block whose hash changes with every request: two steps still share their cached
+    prefix on one replica."""
+    c = _anthropic(cluster)
+    system = f"You are Claude Code. Session {time.time()}. " * 8
+    steps = []
+    for n in range(2):
+        billing = f"x-anthropic-billing-header: cc_version=2.1.3; cch={n:05x};"
+        raw = c.messages.with_raw_response.create(
+            model=MODEL,
+            system=[{"type": "text", "text": billing}, {"type": "text", "text": system}],
+            messages=[{"role": "user", "content": f"step {n}"}],
+            max_tokens=4,
+            extra_query={"beta": "true"},
+        )
+        assert raw.http_request.url.params.get("beta") == "true"
+        steps.append((raw.headers["x-prefixgate-replica"], raw.parse().usage))
+    (first, _), (second, usage) = steps
+    assert second == first
+    assert (usage.cache_read_input_tokens or 0) >= 64  # of a system prompt of ~100 tokens
+
+
 def test_streamed_messages_events(cluster: Cluster) -> None:
     c = _anthropic(cluster)
     kinds: list[str] = []
