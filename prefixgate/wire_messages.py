@@ -114,18 +114,22 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise _invalid("tools", "must be a list of tools")
-        chat_body["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.get("name"),
-                    "description": t.get("description"),
-                    "parameters": t.get("input_schema"),
-                },
-            }
-            for t in tools
-        ]
+        chat_body["tools"] = [{"type": "function", "function": _function(t)} for t in tools]
     return chat_body
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic tool as a chat function, as vLLM converts it: ``strict`` and
+    ``defer_loading`` carried when set (the template sees them then)."""
+    function = {
+        "name": tool.get("name"),
+        "description": tool.get("description"),
+        "parameters": tool.get("input_schema"),
+    }
+    for flag in ("strict", "defer_loading"):
+        if tool.get(flag) is not None:
+            function[flag] = tool[flag]
+    return function
 
 
 def _texts(content: object, param: str) -> list[str]:

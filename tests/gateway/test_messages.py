@@ -204,5 +204,8 @@ def test_read_as_vllm_reads_it() -> None:
         {"role": "user", "content": "next"},
     ]  # fmt: skip
     assert chat["tools"][0]["function"]["parameters"] == TOOLS[0]["input_schema"]
+    assert "strict" not in chat["tools"][0]["function"]  # only when set, as vLLM dumps it
+    strict = to_chat({"model": "m", "messages": [], "tools": [{**TOOLS[0], "strict": True}]})
+    assert strict["tools"][0]["function"]["strict"] is True
     with pytest.raises(OpenAIError):
         to_chat({"model": "m", "messages": [{"role": "user", "content": {"a": 1}}]})
