@@ -29,8 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import OpenAIError
@@ -38,7 +37,7 @@ from prefixgate.wire_messages import chat_request, error_payload
 from replica.handle import RequestHandle
 from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
 from replica.request import RequestOutput
-from replica.respond import _cancel_unfinished, _engine_error, _observe, _submit, collect_whole
+from replica.respond import _engine_error, _observe, _submit, collect_whole, event_stream
 from replica.state import Replica
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
 
@@ -138,12 +137,7 @@ async def create(request: Request, replica: Replica) -> Response:
     message = Message(job, int(replica.engine.pool.block_size))
     handle = _submit(job, replica)
     if stream:
-        return StreamingResponse(
-            _events(message, handle, replica),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-            background=BackgroundTask(_cancel_unfinished, handle, job, replica),
-        )
+        return event_stream(_events(message, handle, replica), handle, job, replica)
     out = await collect_whole(job, handle, message.clock, request, replica)
     if out is None:
         return Response(status_code=499)

@@ -65,18 +65,26 @@ async def run_job(job: Job, request: Request, replica: Replica) -> Response:
     clock = JobClock(start=time.perf_counter())
     handle = _submit(job, replica)
     if job.stream:
-        return StreamingResponse(
-            _stream(job, handle, clock, replica),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-            # Runs after the stream ends or the client leaves, even when the client left
-            # before the generator started (its `finally` then never runs).
-            background=BackgroundTask(_cancel_unfinished, handle, job, replica),
-        )
+        return event_stream(_stream(job, handle, clock, replica), handle, job, replica)
     output = await collect_whole(job, handle, clock, request, replica)
     if output is None:
         return Response(status_code=499)
     return JSONResponse(_full_body(job, output))
+
+
+def event_stream(
+    events: AsyncIterator[bytes], handle: RequestHandle, job: Job, replica: Replica
+) -> StreamingResponse:
+    """A streamed answer's server-sent ``events``; the request is cancelled (its blocks
+    freed) when the stream ends or the client leaves."""
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        # Runs after the stream ends or the client leaves, even when the client left
+        # before the generator started (its `finally` then never runs).
+        background=BackgroundTask(_cancel_unfinished, handle, job, replica),
+    )
 
 
 async def collect_whole(

@@ -21,8 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, parse_request
@@ -30,7 +29,7 @@ from prefixgate.wire_responses import ResponsesRequest, chat_body, input_message
 from replica.handle import RequestHandle
 from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
 from replica.request import RequestOutput
-from replica.respond import _cancel_unfinished, _engine_error, _observe, _submit, collect_whole
+from replica.respond import _engine_error, _observe, _submit, collect_whole, event_stream
 from replica.state import Replica
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
 
@@ -159,12 +158,7 @@ async def create(request: Request, replica: Replica) -> Response:
     turn = Turn(req, job, history)
     handle = _submit(job, replica)
     if req.stream:
-        return StreamingResponse(
-            _events(turn, handle, replica),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-            background=BackgroundTask(_cancel_unfinished, handle, job, replica),
-        )
+        return event_stream(_events(turn, handle, replica), handle, job, replica)
     out = await collect_whole(job, handle, turn.clock, request, replica)
     if out is None:  # the client left: its blocks are already free
         return Response(status_code=499)

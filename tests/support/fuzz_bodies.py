@@ -266,18 +266,7 @@ def valid_mutated_response(draw: st.DrawFn) -> Case:
             for k in ("model", "temperature", "top_p", "tools", "tool_choice", "user")
         },
     }
-    names = []
-    for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 3]))):
-        name = draw(st.sampled_from([*pool, "<unknown>"]))
-        if name == "<unknown>":
-            body[draw(hostile_text)] = draw(json_values)
-        else:
-            body[name] = draw(pool[name])
-        names.append(name)
-    if draw(st.integers(0, 6)) == 0:
-        body["stream"] = True
-    label = "responses mutated " + (",".join(sorted(set(names))) or "none (valid)")
-    return Case(path, _dump(body, {}), label)
+    return _mutated(draw, path, body, pool, "responses", stream_one_in=7)
 
 
 # Anthropic's Messages API's own fields; temperature, top_p, top_k from FIELD_VALUES.
@@ -359,6 +348,19 @@ def valid_mutated_message(draw: st.DrawFn) -> Case:
     }
     pool = {**MESSAGES_FIELDS, **{k: FIELD_VALUES[k] for k in ("model", "temperature", "top_p")}}
     pool["top_k"] = FIELD_VALUES["top_k"]
+    return _mutated(draw, path, body, pool, "messages", stream_one_in=5)
+
+
+def _mutated(
+    draw: st.DrawFn,
+    path: str,
+    body: dict[str, Any],
+    pool: dict[str, st.SearchStrategy[Any]],
+    api: str,
+    stream_one_in: int,
+) -> Case:
+    """``body`` with up to three fields drawn from ``pool`` (or an unknown one), streamed
+    one time in ``stream_one_in``."""
     names = []
     for _ in range(draw(st.sampled_from([0, 1, 1, 1, 2, 3]))):
         name = draw(st.sampled_from([*pool, "<unknown>"]))
@@ -367,9 +369,9 @@ def valid_mutated_message(draw: st.DrawFn) -> Case:
         else:
             body[name] = draw(pool[name])
         names.append(name)
-    if draw(st.integers(0, 4)) == 0:
+    if draw(st.integers(0, stream_one_in - 1)) == 0:
         body["stream"] = True
-    label = "messages mutated " + (",".join(sorted(set(names))) or "none (valid)")
+    label = f"{api} mutated " + (",".join(sorted(set(names))) or "none (valid)")
     return Case(path, _dump(body, {}), label)
 
 
