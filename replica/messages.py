@@ -71,7 +71,7 @@ def stop_reason(out: RequestOutput, called: bool) -> tuple[str | None, str | Non
         return "max_tokens", None
     if called:
         return "tool_use", None
-    if choice.stop_reason is not None:
+    if isinstance(choice.stop_reason, str):  # a stop token id is no stop sequence
         return "stop_sequence", choice.stop_reason
     return "end_turn", None
 

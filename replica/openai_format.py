@@ -24,7 +24,7 @@ class Choice:
     index: int
     text: str
     finish_reason: str | None
-    stop_reason: str | None = None  # the stop string that ended it, as vLLM reports
+    stop_reason: str | int | None = None  # the stop string or stop token id, as vLLM's
 
 
 class Usage(NamedTuple):
@@ -76,7 +76,7 @@ def chat_chunk(
     content: str | None = None,
     role: str | None = None,
     finish_reason: str | None = None,
-    stop_reason: str | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
@@ -129,7 +129,7 @@ def text_chunk(
     index: int,
     text: str,
     finish_reason: str | None,
-    stop_reason: str | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     return {
         "id": id_,

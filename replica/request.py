@@ -108,7 +108,8 @@ class Delta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
-    stop_reason: str | None = None  # on the last: the stop string that ended the choice
+    # On the last: the stop string or requested stop token id that ended the choice.
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -128,7 +129,7 @@ class ChoiceOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
-    stop_reason: str | None = None  # the stop string that ended it, as vLLM reports
+    stop_reason: str | int | None = None  # the stop string or stop token id, as vLLM's
 
 
 @dataclass(slots=True)
@@ -202,7 +203,7 @@ class RequestState:
                 s.output_token_ids,
                 s.text,
                 s.finish_reason or "abort",
-                s.stop_matcher.matched,
+                s.stop_reason,
             )
             for s in self.sequences
         ]
@@ -236,6 +237,7 @@ class SequenceState:
     shared_tail: bool = False
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # what stopped it: a stop string or stop token id
 
     @property
     def num_prompt(self) -> int:
@@ -254,8 +256,11 @@ class SequenceState:
         self.token_ids.append(token_id)
         params = self.request.params
         finish: str | None = None
+        stop_id: int | None = None
         if token_id in self.request.stop_token_ids:
             finish, text = "stop", self._drain()
+            # vLLM's stop_reason: the id when the request named it, None for end-of-text.
+            stop_id = token_id if token_id in params.stop_token_ids else None
         else:
             check = self.stop_matcher.feed(self.detokenizer.push(token_id))
             text = check.text
@@ -271,7 +276,8 @@ class SequenceState:
                     text += self.stop_matcher.flush()
         self.text += text
         self.finish_reason = finish
-        return Delta(self.index, [token_id], text, finish, self.stop_matcher.matched)
+        self.stop_reason = self.stop_matcher.matched if stop_id is None else stop_id
+        return Delta(self.index, [token_id], text, finish, self.stop_reason)
 
     def _drain(self) -> str:
         tail = self.stop_matcher.feed(self.detokenizer.flush())

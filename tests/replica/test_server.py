@@ -198,6 +198,13 @@ def test_completions_token_ids_n_seed_and_stop(replica: ReplicaProcess) -> None:
         assert reasons[-1] == ("stop", {"stop_reason": stop})
         assert all(extra == {"stop_reason": None} for _, extra in reasons[:-1])
     assert greedy.choices[0].model_extra == {"stop_reason": None}
+    # A requested stop token id is the stop_reason (an int, as vLLM reports it).
+    forced = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+        extra_body={"logit_bias": {"1234": 100}, "stop_token_ids": [1234]},
+    )  # fmt: skip
+    assert forced.choices[0].finish_reason == "stop"
+    assert forced.choices[0].model_extra == {"stop_reason": 1234}
 
     sampled = [
         client.completions.create(
