@@ -12,7 +12,7 @@ from bridge.engine_auth import add_engine_api_key_flag, engine_api_key
 from bridge.media import parse_medium_flag
 from bridge.service import Bridge, BridgeConfig
 from prefixgate.envflags import add_env_flag, add_env_list_flag
-from router.protocol import DEFAULT_BLOCK_SIZE
+from router.protocol import DEFAULT_BLOCK_SIZE, MAX_DATA_PARALLEL_RANK
 
 DESCRIPTION = """\
 Subscribe to an engine's KV-cache events (vLLM or SGLang with --kv-events-config
@@ -25,6 +25,13 @@ its cached blocks as prefixgate keys, in the layout gateways already read.
 concrete one connects. An engine that binds tcp://*:5557 is reached with
 tcp://ENGINE_HOST:5557; an engine whose endpoint is tcp://BRIDGE_HOST:5557 connects to
 a bridge started with --kv-events tcp://*:5557.
+
+An engine with several data-parallel ranks behind one server (vLLM's
+--data-parallel-size N) takes a bridge per rank, --data-parallel-rank 0 to N-1, each given
+the engine's own --kv-events and --replay: each rank publishes on those ports plus its
+rank, and the bridge adds its rank the same way. Each rank is then a replica of its own
+(id HOST:PORT-dpR), and gateways send its requests to the engine with the
+X-data-parallel-rank header, so they reach the rank whose cache the router chose.
 """
 
 
@@ -42,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(p, "redis-url", default="redis://127.0.0.1:6379/0", help="Redis to publish to")
     add_env_flag(p, "replica-id", help="id in Redis (default: host:port of the advertised URL)")
     add_env_flag(p, "advertise-url", help="URL gateways call (default: --engine-url)")
+    add_env_flag(
+        p,
+        "data-parallel-rank",
+        type=int,
+        help="follow one data-parallel rank of the engine (0 to its --data-parallel-size - 1) "
+        "as a replica of its own; default: the engine as a whole",
+    )
     add_env_flag(
         p, "model", help="the engine's served model name (default: its first /v1/models entry)"
     )
@@ -84,6 +98,10 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         parser.error("--engine-url and --kv-events are required (or PREFIXGATE_ENGINE_URL, ...)")
     if args.block_size <= 0:
         parser.error("--block-size must be positive")
+    if args.data_parallel_rank is not None and not (
+        0 <= args.data_parallel_rank <= MAX_DATA_PARALLEL_RANK
+    ):
+        parser.error(f"--data-parallel-rank must be 0 to {MAX_DATA_PARALLEL_RANK}")
     try:
         key = engine_api_key(args.engine_api_key)
         media = dict(parse_medium_flag(value) for value in args.medium)
@@ -107,6 +125,7 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         model=args.model,
         replica_id=args.replica_id,
         advertise_url=args.advertise_url,
+        data_parallel_rank=args.data_parallel_rank,
         block_size=args.block_size,
         media=media,
         tokenizer=args.tokenizer,

@@ -6,6 +6,8 @@ despite the name), and the pool size in the labels of ``vllm:cache_config_info``
 (``num_gpu_blocks``, ``block_size``). SGLang: ``sglang:num_running_reqs``,
 ``sglang:num_queue_reqs``, ``sglang:token_usage`` and ``sglang:max_total_num_tokens``.
 Values of several label sets (data-parallel ranks, models) are summed; usages averaged.
+Given one data-parallel rank (``engine``: vLLM's ``engine`` label), samples labelled with
+another rank are left out: each rank is a replica of its own, with its own load and pool.
 
 Blocks are reported in prefixgate's blocks (``block_size`` tokens), as the built-in
 replica does, so the router compares like with like. Neither engine exports the prompt
@@ -39,8 +41,9 @@ def engine_ranks(text: str) -> set[str]:
     }
 
 
-def parse_load(text: str, block_size: int) -> ReplicaLoad:
-    """The load in a ``/metrics`` page; ValueError when it is not Prometheus text."""
+def parse_load(text: str, block_size: int, engine: str | None = None) -> ReplicaLoad:
+    """The load in a ``/metrics`` page (of data-parallel rank ``engine`` only, when given);
+    ValueError when it is not Prometheus text."""
     sums: dict[str, float] = defaultdict(float)
     usages: list[float] = []
     capacity_tokens = 0
@@ -48,6 +51,8 @@ def parse_load(text: str, block_size: int) -> ReplicaLoad:
         for sample in family.samples:
             name = sample.name
             if not math.isfinite(sample.value):
+                continue
+            if engine is not None and sample.labels.get("engine", engine) != engine:
                 continue
             if name in RUNNING:
                 sums["running"] += sample.value

@@ -57,6 +57,7 @@ class WriterConfig:
     stream_maxlen: int = STREAM_MAXLEN
     batch_size: int = 512
     redis_timeout_s: float = 1.0
+    data_parallel_rank: int | None = None  # ReplicaInfo.data_parallel_rank
 
 
 @dataclass(slots=True)
@@ -166,7 +167,15 @@ class RedisWriter:
 
     async def heartbeat(self, load: ReplicaLoad) -> None:
         c = self.config
-        info = ReplicaInfo(c.replica_id, c.url, c.model, c.block_size, load, time.time())
+        info = ReplicaInfo(
+            c.replica_id,
+            c.url,
+            c.model,
+            c.block_size,
+            load,
+            time.time(),
+            data_parallel_rank=c.data_parallel_rank,
+        )
         try:
             snapshot_lost = await self._redis.heartbeat(info, c.info_ttl_s)
         except REDIS_ERRORS as exc:

@@ -31,7 +31,7 @@ from bridge.follower import EventFollower
 from bridge.media import MediumMap
 from bridge.redis_out import REDIS_ERRORS, RedisWriter, WriterConfig
 from bridge.translate import KeyTranslator
-from bridge.zmq_source import EngineEvents
+from bridge.zmq_source import EngineEvents, rank_endpoint
 from router.backoff import Backoff
 from router.protocol import DEFAULT_BLOCK_SIZE, Medium
 
@@ -50,6 +50,11 @@ class BridgeConfig:
     replica_id: str | None = None  # None: host:port of the advertised URL
     advertise_url: str | None = None  # None: the engine URL
     block_size: int = DEFAULT_BLOCK_SIZE
+    # One data-parallel rank of an engine that runs several behind one URL (vLLM's
+    # --data-parallel-size): its events (on the engine's endpoints offset by the rank, as
+    # the engine offsets them), its load, and a record that names the rank. None: the
+    # engine as a whole.
+    data_parallel_rank: int | None = None
     # Engine medium → tier overrides (--medium NAME=TIER; bridge/media.py), upper-cased.
     media: dict[str, Medium | None] = field(default_factory=dict)
     tokenizer: str | None = None  # for the parity check; None: the model name
@@ -67,28 +72,58 @@ class BridgeConfig:
 
     @property
     def resolved_replica_id(self) -> str:
-        return self.replica_id or urlsplit(self.url).netloc or self.url
+        if self.replica_id:
+            return self.replica_id
+        engine = urlsplit(self.url).netloc or self.url
+        rank = self.data_parallel_rank
+        return engine if rank is None else f"{engine}-dp{rank}"
+
+    @property
+    def events_endpoint(self) -> str:
+        """The endpoint this bridge's rank publishes on (``--kv-events`` as the engine was
+        given it)."""
+        rank = self.data_parallel_rank or 0
+        return rank_endpoint(self.kv_events, rank)
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        rank = self.data_parallel_rank or 0
+        return None if self.replay is None else rank_endpoint(self.replay, rank)
 
 
-def _warn_if_data_parallel(engine_url: str, metrics: str) -> None:
+def _warn_if_data_parallel(engine_url: str, metrics: str, rank: int | None) -> None:
     """Several data-parallel ranks behind one URL (vLLM's internal load balancing): each
-    rank publishes its events on a port of its own (the event port + its rank), so the
-    bridge follows one rank's cache while the engine spreads requests over all of them,
-    whatever the gateway chose."""
+    rank publishes its events on a port of its own (the event port + its rank), so a
+    bridge for the whole engine follows one rank's cache while the engine spreads requests
+    over all of them, whatever the gateway chose. A bridge per rank
+    (``--data-parallel-rank``) is what such an engine needs."""
     try:
         ranks = engine_ranks(metrics)
     except ValueError:
         return
-    if len(ranks) > 1:
+    if rank is None and len(ranks) > 1:
         log.warning(
             "engine %s runs %d data-parallel ranks behind one URL: this bridge follows one "
-            "rank's cache events, and the engine picks the rank for each request. Run each "
-            "rank as a server of its own (vLLM's external data parallelism: "
-            "--data-parallel-rank R, a port each) with a bridge each, its --kv-events on "
-            "the event port + R",
+            "rank's cache events, and the engine picks the rank for each request. Run a "
+            "bridge per rank: --data-parallel-rank R for R in 0..%d, each with the same "
+            "--kv-events and --replay (the bridge offsets them by R, as the engine does)",
             engine_url,
             len(ranks),
+            len(ranks) - 1,
         )
+    elif rank is not None and ranks and str(rank) not in ranks:
+        log.warning(
+            "engine %s has no data-parallel rank %d (its ranks: %s): this bridge's replica "
+            "gets no events, and requests sent to it name a rank the engine does not have",
+            engine_url,
+            rank,
+            ", ".join(sorted(ranks, key=lambda r: (len(r), r))),
+        )
+
+
+def _engine_label(rank: int | None) -> str | None:
+    """vLLM's ``engine`` metric label of a data-parallel rank (its index, in decimal)."""
+    return None if rank is None else str(rank)
 
 
 def _refused(exc: Exception) -> bool:
@@ -106,7 +141,7 @@ class Bridge:
     def __init__(self, config: BridgeConfig) -> None:
         self.config = config
         # Subscribed at once, so batches sent while the model name is resolved queue up.
-        self.source = EngineEvents(config.kv_events, config.replay, config.topic)
+        self.source = EngineEvents(config.events_endpoint, config.replay_endpoint, config.topic)
         self.follower: EventFollower | None = None  # set by start(), with the model name
         self.writer: RedisWriter | None = None
         self._wake = asyncio.Event()
@@ -130,16 +165,23 @@ class Bridge:
         translator = KeyTranslator(model, c.block_size, MediumMap(dict(c.media)))
         self.writer = RedisWriter(
             WriterConfig(
-                c.redis_url, c.resolved_replica_id, c.url, model, c.block_size, c.info_ttl_s
+                c.redis_url,
+                c.resolved_replica_id,
+                c.url,
+                model,
+                c.block_size,
+                c.info_ttl_s,
+                data_parallel_rank=c.data_parallel_rank,
             ),
             translator.snapshot,
         )
         self.follower = EventFollower(self.source, translator, self.writer, c.replay_timeout_s)
         log.info(
-            "bridging engine %s (model %s, events %s) as replica %s into %s",
+            "bridging engine %s%s (model %s, events %s) as replica %s into %s",
             c.engine_url,
+            "" if c.data_parallel_rank is None else f" rank {c.data_parallel_rank}",
             model,
-            c.kv_events,
+            c.events_endpoint,
             c.resolved_replica_id,
             c.redis_url,
         )
@@ -238,7 +280,8 @@ class Bridge:
             try:
                 reply = await self._http.get(metrics_url)
                 reply.raise_for_status()
-                load = parse_load(reply.text, self.config.block_size)
+                rank = self.config.data_parallel_rank
+                load = parse_load(reply.text, self.config.block_size, _engine_label(rank))
             except (httpx.HTTPError, ValueError) as exc:
                 if self.stats.engine_up:
                     log.warning("engine %s not answering (%s); not heartbeating", metrics_url, exc)
@@ -248,7 +291,7 @@ class Bridge:
             else:
                 if not self.stats.engine_up:
                     log.info("engine %s answers; heartbeating", self.config.engine_url)
-                    _warn_if_data_parallel(self.config.engine_url, reply.text)
+                    _warn_if_data_parallel(self.config.engine_url, reply.text, rank)
                 self.stats.engine_up = True
                 with contextlib.suppress(*REDIS_ERRORS):
                     await self.writer.heartbeat(load)

@@ -43,6 +43,22 @@ def binds(endpoint: str) -> bool:
     )
 
 
+def rank_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """The endpoint data-parallel rank ``data_parallel_rank`` of an engine publishes on,
+    given the one in the engine's ``--kv-events-config``, by vLLM's rule: each rank offsets
+    a TCP port by its rank (a port of 0 stays 0) and suffixes any other address with
+    ``_dp{rank}``; rank 0 uses the endpoint as given. The bridge takes the engine's
+    endpoint and applies the same rule, so both sides agree on every rank."""
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"{endpoint!r}: a tcp:// endpoint needs a port")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + data_parallel_rank}"
+    return f"{endpoint}_dp{data_parallel_rank}"
+
+
 def _live_message(frames: list[bytes]) -> Message | None:
     """``[topic, seq, payload]`` with a seq an engine can send (from 0 up; the negative
     ones a signed decoding gives are never sent, -1 only ends a replay)."""

@@ -31,7 +31,8 @@ from gateway.state import GatewayState
 from gateway.upstream import OUT_OF_FILES, POOL_TIMEOUT
 from gateway.usage import SSEScanner, cached_tokens_in
 from prefixgate.wire import OpenAIError, error_body
-from router.router import Decision, NoHealthyReplica
+from router.protocol import DATA_PARALLEL_RANK_HEADER
+from router.router import Decision, NoHealthyReplica, ReplicaView
 
 if TYPE_CHECKING:
     from gateway.answer_hooks import AnswerHooks, StreamScanner
@@ -135,7 +136,7 @@ async def _forward(
             continue
         with Attempt(router, decision) as attempt:
             attempts.append(attempt)
-            outcome = await _attempt(state, attempt, view.url, request, ex, send)
+            outcome = await _attempt(state, attempt, view, request, ex, send)
         if outcome is None:
             return
         failure = outcome
@@ -145,14 +146,22 @@ async def _forward(
 
 
 async def _attempt(
-    state: GatewayState, attempt: Attempt, url: str, request: Forward, ex: Exchange, send: Send
+    state: GatewayState,
+    attempt: Attempt,
+    view: ReplicaView,
+    request: Forward,
+    ex: Exchange,
+    send: Send,
 ) -> UpstreamFailure | None:
     """One replica's try. None when the client got the answer (whole, or as much of a
     stream as the replica sent); the failure when there is nothing to send yet."""
     rid = attempt.replica_id
+    headers = request.headers
+    if view.data_parallel_rank is not None:  # the rank whose cache the router chose
+        headers = {**headers, DATA_PARALLEL_RANK_HEADER: str(view.data_parallel_rank)}
     try:
         response = await state.upstream.request(
-            request.method, url + request.path, request.body, request.headers
+            request.method, view.url + request.path, request.body, headers
         )
     except UpstreamError as exc:
         if exc.kind in (POOL_TIMEOUT, OUT_OF_FILES):

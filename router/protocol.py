@@ -55,6 +55,12 @@ RETAIN_S = 3600.0
 # Bounds on what a registry record may say (the router multiplies both into floats).
 MAX_BLOCK_SIZE = 65_536
 MAX_LOAD_COUNT = 2**40
+# The largest data-parallel rank a record may name (vLLM's ranks count from 0; a cluster
+# of this many GPUs behind one server is far beyond any deployment).
+MAX_DATA_PARALLEL_RANK = 65_535
+# The header that sends a request to one data-parallel rank (vLLM reads it on its chat
+# and completions endpoints; other endpoints leave the choice of rank to the engine).
+DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
 
 
 def replica_info_key(replica_id: str) -> str:
@@ -185,6 +191,10 @@ class ReplicaInfo:
     block_size: int
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     timestamp: float = 0.0
+    # One data-parallel rank of an engine that runs several behind ``url`` (vLLM's
+    # ``--data-parallel-size``): requests sent here name it (``X-data-parallel-rank``), so
+    # they reach the rank whose cache this record publishes. None: the whole engine.
+    data_parallel_rank: int | None = None
 
     def encode(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -208,6 +218,13 @@ class ReplicaInfo:
         block_size = _count(data, "block_size", "replica record")
         if not 0 < block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"replica record: 'block_size' must be 1 to {MAX_BLOCK_SIZE}")
+        rank = data.get("data_parallel_rank")
+        if rank is not None:
+            rank = _count(data, "data_parallel_rank", "replica record")
+            if rank > MAX_DATA_PARALLEL_RANK:
+                raise ValueError(
+                    f"replica record: 'data_parallel_rank' must be 0 to {MAX_DATA_PARALLEL_RANK}"
+                )
         return cls(
             replica_id=_text(data, "replica_id", "replica record"),
             url=http_url(_text(data, "url", "replica record"), "replica record: 'url'"),
@@ -217,6 +234,7 @@ class ReplicaInfo:
                 **{f.name: _load_count(load.get(f.name)) for f in fields(ReplicaLoad)}
             ),
             timestamp=float(timestamp),
+            data_parallel_rank=rank,
         )
 
 

@@ -87,6 +87,9 @@ class ReplicaView:
     # alias (vLLM's several --served-model-name) shares ``model``'s cache and keys, a
     # LoRA adapter has keys of its own (a model of its own, as the bridge publishes it).
     names: dict[str, str] = field(default_factory=dict)
+    # The engine's data-parallel rank this replica is (``ReplicaInfo.data_parallel_rank``):
+    # several replicas share ``url`` then, and each request names its rank.
+    data_parallel_rank: int | None = None
 
     @property
     def expired(self) -> bool:
@@ -152,14 +155,27 @@ class Router:
         block_size: int = 16,
         *,
         static: bool = False,
+        data_parallel_rank: int | None = None,
     ) -> None:
         """Add a replica, or refresh its address/model and heartbeat if already known.
 
         A replica given statically by URL (named after its address) that later registers
         in Redis under its own id is one replica, not two: the static entry gives way to
-        the registered id, which stays static (it never expires)."""
-        alias = self._alias(replica_id, url)
+        the registered id, which stays static (it never expires). The data-parallel ranks
+        of one engine share its URL and are replicas of their own: once they register, they
+        stand for a static entry of that URL, which gives way to them."""
+        ranks = self._ranks_at(url)
+        if static and data_parallel_rank is None and ranks:
+            for rank in ranks:  # the engine, given by URL, is these ranks
+                rank.static = True
+                rank.model = rank.model or model
+            return
+        alias = self._alias(replica_id, url, data_parallel_rank)
         known_health: CircuitBreaker | None = None  # the same replica's, under its other id
+        if data_parallel_rank is not None and alias is None:
+            alias = self._alias(replica_id, url, None)  # the whole engine, given by URL
+            if alias is not None and not self._replicas[alias].static:
+                alias = None  # a bridge for the whole engine: a replica of its own
         if alias is not None and static:
             # Already known under its registered id: that entry becomes static.
             replica_id, static = alias, True
@@ -169,6 +185,8 @@ class Router:
             known_health = self._replicas[alias].breaker
             self.remove_replica(alias)
             static = True
+        # The other ranks of an engine given statically are static: so is this one.
+        static = static or any(v.static for v in ranks)
         view = self._replicas.get(replica_id)
         if view is None:
             breaker = known_health or CircuitBreaker(
@@ -191,6 +209,7 @@ class Router:
             self._replicas[replica_id] = view
             self.ring.add(replica_id)
         view.url, view.model, view.block_size = url, model, block_size
+        view.data_parallel_rank = data_parallel_rank
         view.static = view.static or static
         view.last_seen = self.clock()
 
@@ -200,11 +219,24 @@ class Router:
         if view is not None:
             view.names = {name: key for name, key in names.items() if name != view.model}
 
-    def _alias(self, replica_id: str, url: str) -> str | None:
-        """The id of another replica at the same address, if any."""
+    def _ranks_at(self, url: str) -> list[ReplicaView]:
+        """The data-parallel ranks registered at this address."""
+        wanted = _normal_url(url)
+        return [
+            view
+            for view in self._replicas.values()
+            if view.data_parallel_rank is not None and _normal_url(view.url) == wanted
+        ]
+
+    def _alias(self, replica_id: str, url: str, data_parallel_rank: int | None) -> str | None:
+        """The id of another replica at the same address and rank, if any."""
         wanted = _normal_url(url)
         for other_id, view in self._replicas.items():
-            if other_id != replica_id and _normal_url(view.url) == wanted:
+            if (
+                other_id != replica_id
+                and _normal_url(view.url) == wanted
+                and view.data_parallel_rank == data_parallel_rank
+            ):
                 return other_id
         return None
 

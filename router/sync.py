@@ -210,7 +210,13 @@ class RedisSync:
                 continue
             self._reported.discard((replica_id, "registry record"))
             alive.add(replica_id)
-            self.router.add_replica(replica_id, info.url, info.model, info.block_size)
+            self.router.add_replica(
+                replica_id,
+                info.url,
+                info.model,
+                info.block_size,
+                data_parallel_rank=info.data_parallel_rank,
+            )
             self.router.update_load(replica_id, info.load, info.timestamp or None)
             if replica_id not in self._stream_ids and replica_id not in self._wrong_type:
                 self._stream_ids[replica_id] = "0-0"

@@ -59,14 +59,18 @@ class Cluster:
         await wait_until_async(lambda: self.matched(chain) == want, 10, f"{want} keys indexed")
 
     async def connected(self) -> None:
-        """Until the bridge receives live batches (ZMQ's subscription takes a moment; the
-        batches sent before it are replayed)."""
+        await connected(self.engine, self.bridge)
 
-        async def probe() -> bool:
-            self.engine.publish([])
-            return await _received(self.bridge)
 
-        await wait_until_async(probe, 10, "the bridge receiving batches")  # type: ignore[arg-type]
+async def connected(engine: FakeEngine, bridge: Bridge) -> None:
+    """Until the bridge receives the engine's live batches (ZMQ's subscription takes a
+    moment; the batches sent before it are replayed)."""
+
+    async def probe() -> bool:
+        engine.publish([])
+        return await _received(bridge)
+
+    await wait_until_async(probe, 10, "the bridge receiving batches")  # type: ignore[arg-type]
 
 
 async def _received(bridge: Bridge) -> bool:

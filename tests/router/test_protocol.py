@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from router.protocol import (
     MAX_BLOCK_SIZE,
+    MAX_DATA_PARALLEL_RANK,
     MAX_LOAD_COUNT,
     BlockEvent,
     KeySpace,
@@ -272,6 +273,8 @@ def test_replica_info_round_trip() -> None:
     )
     assert ReplicaInfo.decode(info.encode()) == info
     assert ReplicaInfo.decode(info.encode().encode()) == info
+    rank = dataclasses.replace(info, data_parallel_rank=3)
+    assert ReplicaInfo.decode(rank.encode()) == rank
 
 
 # Any JSON value: what a record, event field or hint of another version might hold.
@@ -285,7 +288,9 @@ HINT = json.loads(RoutedHint("g", "r", (bytes(16),), 3).encode())
 
 
 @given(
-    field=st.sampled_from(["replica_id", "url", "model", "block_size", "load", "timestamp"]),
+    field=st.sampled_from(
+        ["replica_id", "url", "model", "block_size", "load", "timestamp", "data_parallel_rank"]
+    ),
     value=json_values,
 )
 def test_a_replica_record_decodes_or_raises_value_error(field: str, value: object) -> None:
@@ -298,6 +303,8 @@ def test_a_replica_record_decodes_or_raises_value_error(field: str, value: objec
         return
     assert isinstance(info.url, str) and isinstance(info.model, str)
     assert 0 < info.block_size <= MAX_BLOCK_SIZE and math.isfinite(info.timestamp)
+    rank = info.data_parallel_rank
+    assert rank is None or (type(rank) is int and 0 <= rank <= MAX_DATA_PARALLEL_RANK)
     counts = [getattr(info.load, f.name) for f in dataclasses.fields(ReplicaLoad)]
     assert all(type(v) is int and 0 <= v <= MAX_LOAD_COUNT for v in counts)
 
@@ -343,6 +350,9 @@ def test_a_newer_replicas_record_and_an_older_ones_decode() -> None:
     assert ReplicaInfo.decode(json.dumps(newer)) == ReplicaInfo.decode(json.dumps(RECORD))
     older = {**RECORD, "load": {"running": 1}}  # before queued_prefill_tokens and the rest
     assert ReplicaInfo.decode(json.dumps(older)).load == ReplicaLoad(1)
+    assert "data_parallel_rank" in RECORD  # written, as null, for the whole engine
+    before_ranks = {k: v for k, v in RECORD.items() if k != "data_parallel_rank"}
+    assert ReplicaInfo.decode(json.dumps(before_ranks)).data_parallel_rank is None
     # The load is advice: a count out of range reads 0, and the replica stays routable.
     # (10**400 queued tokens made every routing decision raise OverflowError.)
     odd = {"running": -5, "waiting": "2", "queued_prefill_tokens": 10**400, "free_blocks": 3}

@@ -217,6 +217,45 @@ def test_static_replica_and_its_registration_are_one_replica() -> None:
     assert sorted(router.replicas) == ["replica-a", "replica-b"]
 
 
+def test_the_data_parallel_ranks_of_one_engine_are_replicas_of_their_own() -> None:
+    router = Router(seed=0)
+    url = "http://127.0.0.1:8000"
+    for rank in (0, 1):
+        router.add_replica(f"127.0.0.1:8000-dp{rank}", url, "m", data_parallel_rank=rank)
+    assert {r: v.data_parallel_rank for r, v in router.replicas.items()} == {
+        "127.0.0.1:8000-dp0": 0,
+        "127.0.0.1:8000-dp1": 1,
+    }
+    assert not any(v.static for v in router.replicas.values())
+    # Each holds its own cache: a prefix stored on rank 1 sends its requests there.
+    prompt = keys(1, 2, 3)
+    router.apply_event("127.0.0.1:8000-dp1", BlockEvent(1, "stored", tuple(k[:16] for k in prompt)))
+    assert router.route(prompt).replica_id == "127.0.0.1:8000-dp1"
+
+
+@pytest.mark.parametrize("static_first", [True, False])
+def test_an_engine_given_by_url_gives_way_to_its_registered_ranks(static_first: bool) -> None:
+    router = Router(seed=0)
+    url = "http://127.0.0.1:8000"
+
+    def static() -> None:
+        router.add_replica("127.0.0.1:8000", url + "/v1", "m", static=True)
+
+    def ranks() -> None:
+        for rank in (0, 1):
+            router.add_replica(f"e-dp{rank}", url, "m", data_parallel_rank=rank)
+
+    for step in (static, ranks) if static_first else (ranks, static):
+        step()
+    # The ranks are the engine: two replicas, static as the URL given was.
+    assert sorted(router.replicas) == ["e-dp0", "e-dp1"]
+    assert all(v.static for v in router.replicas.values())
+    static()  # the gateway refreshing its static entry does not bring the engine back
+    ranks()  # nor does a heartbeat make them expire again
+    assert sorted(router.replicas) == ["e-dp0", "e-dp1"]
+    assert all(v.static for v in router.replicas.values())
+
+
 def test_forget_cached_state_drops_the_replicas_blocks() -> None:
     router, _ = make(2)
     prompt = keys(1, 2, 3)
