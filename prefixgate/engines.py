@@ -41,8 +41,9 @@ def engine_model_path(model: str) -> Path:
 
 def engine_env(args: argparse.Namespace, index: int, base: dict[str, str]) -> dict[str, str]:
     env = dict(base)
-    if args.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(index)  # replica i on GPU i
+    ranks = args.data_parallel_size
+    if args.device == "cuda":  # replica i on GPU i, or on GPUs i·N to i·N + N - 1 (N ranks)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index * ranks + r) for r in range(ranks))
     elif args.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = args.device.split(":", 1)[1]
     elif args.kv_cache_mb is not None:  # vLLM's CPU build sizes its KV cache in GiB
@@ -63,6 +64,8 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
     cmd += ["--host", args.host, "--port", str(ports.http)]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     cmd += ["--kv-events-config", json.dumps(events)]
+    if args.data_parallel_size > 1:  # each rank publishes on these ports plus its rank
+        cmd += ["--data-parallel-size", str(args.data_parallel_size)]
     if args.chat_template is not None:
         cmd += ["--chat-template", str(args.chat_template)]
     if args.tool_call_parser is not None:
@@ -73,12 +76,20 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
 
 
 def bridge_command(
-    args: argparse.Namespace, ports: EnginePorts, host: str, redis_url: str
+    args: argparse.Namespace,
+    ports: EnginePorts,
+    host: str,
+    redis_url: str,
+    data_parallel_rank: int | None = None,
 ) -> list[str]:
+    """The bridge of one engine, or of one of its data-parallel ranks: given the engine's
+    own event ports either way (a rank's bridge offsets them as the rank does)."""
     cmd = [sys.executable, "-m", "prefixgate", "bridge"]
     cmd += ["--engine-url", f"http://{host}:{ports.http}"]
     cmd += ["--kv-events", f"tcp://{host}:{ports.events}"]
     cmd += ["--replay", f"tcp://{host}:{ports.replay}"]
+    if data_parallel_rank is not None:
+        cmd += ["--data-parallel-rank", str(data_parallel_rank)]
     cmd += ["--redis-url", redis_url, "--model", args.model, "--tokenizer", args.model]
     if args.chat_template is not None:  # the engine renders with it: so must the parity check
         cmd += ["--chat-template", str(args.chat_template)]

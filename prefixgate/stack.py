@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from prefixgate.procs import free_port, http_ok
+from prefixgate.procs import free_port, http_ok, port_is_free
 
 POLL_S = 0.1  # how often the readiness and supervision loops look at the children
 PROGRESS_S = 10.0  # how often a long wait says what it is still waiting for
@@ -178,11 +178,18 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
-def pick_ports(count: int, taken: set[int]) -> list[int]:
-    """``count`` distinct free loopback ports, none of them in ``taken``."""
+def pick_ports(count: int, taken: set[int], run: int = 1) -> list[int]:
+    """``count`` distinct free loopback ports, none of them in ``taken``; with ``run`` > 1,
+    each the first of ``run`` free ports in a row, no two runs overlapping (an engine
+    whose data-parallel ranks publish on a port each: the given one plus the rank)."""
     ports: list[int] = []
+    used = set(taken)
     while len(ports) < count:
         port = free_port()
-        if port not in taken and port not in ports:
+        block = range(port, port + run)
+        if port + run > 65536 or used.intersection(block):
+            continue
+        if all(port_is_free(p) for p in block[1:]):
             ports.append(port)
+            used.update(block)
     return ports

@@ -134,13 +134,18 @@ def start_engines(
     """``--engine vllm``: replica i is a vLLM server plus a bridge (prefixgate/engines.py);
     its name stays replica-i, so readiness, logs and shutdown are those of any replica."""
     taken = {args.port, *ports}
+    ranks = args.data_parallel_size
     for i, port in enumerate(ports):
-        events, replay = pick_ports(2, taken=taken)
-        taken |= {events, replay}
+        # A rank publishes on the event and replay ports plus its rank: a run of each.
+        events, replay = pick_ports(2, taken=taken, run=ranks)
+        taken |= {*range(events, events + ranks), *range(replay, replay + ranks)}
         engine = EnginePorts(port, events, replay)
         env = engine_env(args, i, stack.env)
         stack.start(f"replica-{i}", vllm_command(args, engine), port, stage=1, env=env)
-        stack.start(f"bridge-{i}", bridge_command(args, engine, host, redis_url), 0, stage=2)
+        for rank in range(ranks) if ranks > 1 else (None,):
+            name = f"bridge-{i}" if rank is None else f"bridge-{i}-dp{rank}"
+            command = bridge_command(args, engine, host, redis_url, rank)
+            stack.start(name, command, 0, stage=2)
 
 
 def run(stack: Stack, args: argparse.Namespace) -> int:
@@ -183,7 +188,8 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
     # Every replica healthy in the gateway's eyes, not just answering: a replica takes
     # traffic once the gateway's own probe has reached it, and the first requests would
     # otherwise all go to the replicas that happened to be probed first.
-    ready_url = f"{gateway_url}/ready?min_replicas={args.replicas}"
+    # An engine's data-parallel ranks are replicas each, once their bridges register.
+    ready_url = f"{gateway_url}/ready?min_replicas={args.replicas * args.data_parallel_size}"
     if not stack.wait_ready({"gateway": ready_url}, args.ready_timeout_s):
         return 0 if stack.stop_signal is not None else 1
     print(banner(args, f"{gateway_url}/v1"), flush=True)
@@ -249,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARGS",
         action="append",
         help="with --engine vllm: extra engine flags, e.g. '--max-model-len 4096' (repeatable)",
+    )
+    add(
+        "--data-parallel-size",
+        metavar="N",
+        type=int,
+        default=1,
+        help="with --engine vllm: data-parallel ranks per engine (its --data-parallel-size; "
+        "with --device cuda, N GPUs each), each a replica of its own with a bridge each",
     )
     add_env_flag(
         p,
@@ -326,6 +340,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if args.data_parallel_size < 1:
+        parser.error("--data-parallel-size must be at least 1")
+    if args.data_parallel_size > 1 and args.engine != "vllm":
+        parser.error("--data-parallel-size is for --engine vllm")
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
         parser.error(f"--device must be cpu, cuda or cuda:N, not {args.device!r}")
     if args.host_cache_mb is not None and args.host_cache_mb < 0:

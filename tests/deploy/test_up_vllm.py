@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import pytest
 import redis
 
 from bridge.cli import parse_args as bridge_args
@@ -39,7 +41,10 @@ def test_engine_and_bridge_commands_fit_each_other() -> None:
     assert engine_env(args, 1, {})["CUDA_VISIBLE_DEVICES"] == "1"
 
 
-def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path, ranks: int) -> None:
+    """Two engines with a bridge each; or one engine with two data-parallel ranks, a
+    bridge per rank, each rank a replica (``--data-parallel-size 2``)."""
     engine_python = tmp_path / "engine-python"
     engine_python.write_text(
         f'#!/bin/sh\nexport PYTHONPATH="{ROOT}"\nexec "{sys.executable}" '
@@ -50,7 +55,8 @@ def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path) ->
     cmd = [
         sys.executable, "-m", "prefixgate", "up", "--engine", "vllm", "--model", "tiny-random",
         "--engine-python", str(engine_python), "--port", str(port), "--run-dir", str(run_dir),
-        "--stop-grace-s", "10",
+        "--stop-grace-s", "10", "--replicas", str(2 // ranks),
+        "--data-parallel-size", str(ranks),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -62,7 +68,8 @@ def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path) ->
 
         wait_until(ready, 120, "prefixgate up --engine vllm ready")
         pids = (run_dir / "pids").read_text()
-        assert "bridge-0" in pids and "bridge-1" in pids
+        bridges = ["bridge-0", "bridge-1"] if ranks == 1 else ["bridge-0-dp0", "bridge-0-dp1"]
+        assert all(name in pids for name in bridges)
         redis_port = int(next(r.split()[2] for r in pids.splitlines() if r.startswith("redis")))
         client = redis.Redis(port=redis_port)
         try:
@@ -75,7 +82,16 @@ def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path) ->
             wait_until(lambda: len(registered()) == 2, 30, "both bridges registered")
             infos = registered()
             assert {i.model for i in infos} == {"tiny-random"}
-            assert all(i.load.running == 3 for i in infos)  # read from the engine's /metrics
+            if ranks == 1:
+                assert all(i.load.running == 3 for i in infos)  # read from the engine's /metrics
+                assert {i.data_parallel_rank for i in infos} == {None}
+            else:  # one engine: each rank with its own load, from its own gauges
+                assert len({i.url for i in infos}) == 1
+                by_rank = {i.data_parallel_rank: i.load.running for i in infos}
+                assert by_rank == {0: 3, 1: 4}
+                # The gateway: the two ranks, in place of the engine's URL it was given.
+                stats = httpx.get(f"http://127.0.0.1:{port}/router/stats").json()
+                assert sorted(stats["replicas"]) == sorted(i.replica_id for i in infos)
         finally:
             client.close()
         proc.send_signal(signal.SIGTERM)
@@ -86,3 +102,20 @@ def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_data_parallel_engine_takes_its_ranks_gpus_and_ports() -> None:
+    args = up.parse_args(
+        ["--engine", "vllm", "--model", "tiny-random", "--device", "cuda",
+         "--data-parallel-size", "4"]
+    )  # fmt: skip
+    assert engine_env(args, 1, {})["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    ports = EnginePorts(8101, 5557, 5561)
+    cmd = vllm_command(args, ports)
+    assert cmd[cmd.index("--data-parallel-size") + 1] == "4"
+    config = bridge_args(bridge_command(args, ports, "127.0.0.1", "redis://r:6379/0", 3)[4:])
+    assert config.data_parallel_rank == 3
+    assert config.events_endpoint == "tcp://127.0.0.1:5560"
+    assert config.replay_endpoint == "tcp://127.0.0.1:5564"
+    with pytest.raises(SystemExit):  # the built-in engine has no ranks
+        up.parse_args(["--data-parallel-size", "2"])
