@@ -106,8 +106,10 @@ def banner(args: argparse.Namespace, base_url: str) -> str:
     message = '[{"role": "user", "content": "Hello!"}]'
     create = f'client.chat.completions.create(model="{args.model}", messages={message})'
     body = f'{{"model": "{args.model}", "messages": {message}}}'
+    size = args.data_parallel_size
+    ranks = f" ({size} data-parallel ranks each)" if size > 1 else ""
     return f"""
-prefixgate is up: {args.replicas} × {args.model} behind one gateway.
+prefixgate is up: {args.replicas} × {args.model}{ranks} behind one gateway.
 
   base_url  {base_url}
 

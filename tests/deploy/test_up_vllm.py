@@ -98,6 +98,7 @@ def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path, ra
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "all processes stopped" in out
+        assert ("2 data-parallel ranks each" in out) == (ranks == 2), out
     finally:
         if proc.poll() is None:
             proc.kill()
