@@ -176,7 +176,7 @@ async def _create(
         raise unknown_model(req.model)
     ex.block_size = block_size = int(view.block_size)
     hooks.conversation = scoped(tenant, conversation_key(body, headers))
-    chat = parse_request(ChatCompletionRequest, chat_body(req, []))
+    chat = parse_request(ChatCompletionRequest, chat_body(req, [], lenient=True))
     prompt = await state.keys.keys(
         chat, view.model, block_size, salt or "", len(raw), key_model=view.key_model(req.model)
     )

@@ -21,11 +21,15 @@ the prompt text: the template adds a fixed amount, JSON escapes only shrink), so
 field of any size is ever rendered or encoded on the loop as "small". A prompt over
 ``ROUTE_HEAD_CHARS`` is keyed by its head (``_head_ids``): the prefix is what places it,
 and the whole of a 16 MiB prompt cost 2.5 GB to encode.
+
+A chat with images, audio or files (``media_split``) is keyed exactly up to the first
+message that carries one, and by its own bytes from there on (see ``media_split``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import sys
@@ -36,7 +40,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from gateway.key_memo import KeyMemo
 from prefixgate.chat_input import ChatInput, chat_input, content_text
-from prefixgate.wire import ChatCompletionRequest, CompletionRequest
+from prefixgate.wire import ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.protocol import KeySpace
 
 log = logging.getLogger("prefixgate.gateway")
@@ -63,6 +67,11 @@ class PieceTokenizer(Tokenizer, Protocol):
 RENDER_INLINE_FACTOR = 4  # a chat up to 4 x inline_chars is rendered on the event loop
 ROUTE_HEAD_CHARS = 512 * 1024  # a longer prompt is keyed by its head (``_head_ids``)
 _HEAD_CUT_BLOCKS = 2
+# An image's share of its prompt, roughly, as engines render one (LLaVA 1.5: 576 tokens,
+# Gemma 3: 256, Qwen2-VL: about 1,300 a megapixel): a media part weighs 512 pseudo-tokens
+# (its digest repeated), so the router prices recomputing it as about that much prefill.
+MEDIA_PSEUDO_TOKENS = 512
+_MEDIA_DIGESTS = MEDIA_PSEUDO_TOKENS * 4 // 64  # 64 hex characters, 4 bytes a pseudo-token
 
 
 class PromptKeys(NamedTuple):
@@ -175,6 +184,7 @@ class KeyBuilder:
             chat is not None
             and size <= RENDER_INLINE_FACTOR * self._inline_chars
             and isinstance(tokenizer, PieceTokenizer)
+            and not any(map(has_media, chat.messages))
         ):
             text = tokenizer.render(chat_input(chat))
             if tokenizer.uncached_chars(text) <= self._inline_chars:
@@ -208,6 +218,13 @@ def prompt_keys(
             return PromptKeys(keys(ids), tokens, True)
         text = prompt
     else:
+        split = media_split(request)
+        if split is not None:
+            head, tail = split
+            ids = _text_ids(head, tokenizer, block_size) + tail
+            if tokenizer is None:
+                keys = partial(_byte_keys, KeySpace(f"bytes:{model}", block_size, salt), memo)
+            return PromptKeys(keys(ids), len(ids), tokenizer is not None)
         chat = chat_input(request)
         if isinstance(tokenizer, PieceTokenizer):
             ids, tokens = _head_ids(tokenizer.encode_rendered, tokenizer.render(chat), block_size)
@@ -220,6 +237,82 @@ def prompt_keys(
     byte_space = KeySpace(f"bytes:{model}", block_size, salt)
     byte_keys = byte_space.short_keys if memo is None else partial(memo.short_keys, byte_space)
     return PromptKeys(byte_keys(words), len(words), False)
+
+
+def _byte_keys(space: KeySpace, memo: KeyMemo | None, ids: Sequence[int]) -> list[bytes]:
+    return space.short_keys(ids) if memo is None else memo.short_keys(space, ids)
+
+
+def has_media(message: ChatMessage) -> bool:
+    """Whether a message carries a part other than text (an image, audio, a file...)."""
+    content = message.content
+    return isinstance(content, list) and any(p.type != "text" or p.text is None for p in content)
+
+
+def media_split(request: ChatCompletionRequest) -> tuple[ChatCompletionRequest, list[int]] | None:
+    """A chat whose messages carry images, audio or files (a vision or audio model's
+    engine takes them): the text-only chat before the first message with one, and the
+    rest as pseudo-tokens; None for a text-only chat.
+
+    An engine renders a media part as model-specific placeholder tokens, as many as the
+    image's size makes, and keys those blocks by the media's hash as well: the gateway can
+    reproduce neither. So its keys are exact up to that message (the system prompt, the
+    turns before the first image), then follow the rest of the chat's own bytes, each
+    media part by its digest weighted as ``MEDIA_PSEUDO_TOKENS``, four bytes to a
+    pseudo-token as for prompts keyed by bytes.
+    Those keys never match an engine's, but a chat's next request repeats them, so it
+    finds the replica the last one went to through the router's optimistic entries
+    while they live (``optimistic_ttl_s``). Each message is serialized on its own, so a
+    chat's bytes are a prefix of its next request's."""
+    first = next((i for i, m in enumerate(request.messages) if has_media(m)), None)
+    if first is None:
+        return None
+    head = request.model_copy(
+        update={
+            "messages": request.messages[:first],
+            "add_generation_prompt": False,
+            "continue_final_message": False,
+        }
+    )
+    tail = b"".join(_message_bytes(m) for m in request.messages[first:])
+    return head, list(bytes_as_tokens(tail))
+
+
+def _message_bytes(message: ChatMessage) -> bytes:
+    data = message.model_dump(mode="json", exclude_none=True)
+    if isinstance(data.get("content"), list):
+        data["content"] = [
+            part
+            if part.get("type") == "text" and isinstance(part.get("text"), str)
+            else {"media": hashlib.sha256(_canonical(part)).hexdigest() * _MEDIA_DIGESTS}
+            for part in data["content"]
+        ]
+    return _canonical(data) + b"\x1e"
+
+
+def _canonical(value: object) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _text_ids(
+    head: ChatCompletionRequest, tokenizer: Tokenizer | None, block_size: int
+) -> list[int]:
+    """The token ids (pseudo-tokens without a tokenizer) of a text-only chat without its
+    generation prompt: the exact head of a chat with media. Nothing when it has no
+    messages, or its template cannot render it alone (some insist on a user message):
+    the keys then start at the media."""
+    if not head.messages:
+        return []
+    try:
+        chat = chat_input(head)
+        if isinstance(tokenizer, PieceTokenizer):
+            return _head_ids(tokenizer.encode_rendered, tokenizer.render(chat), block_size)[0]
+        if tokenizer is not None:
+            return tokenizer.encode_input(chat)
+        return list(bytes_as_tokens(chat_bytes_text(chat).encode("utf-8")))
+    except Exception as exc:  # a template's own error: the head is a hint, the engine renders
+        log.debug("the text before a chat's media did not render alone: %s", exc)
+        return []
 
 
 def _head_ids(

@@ -6,8 +6,9 @@ A Responses request becomes the Chat Completions body the engine renders: ``inst
 as the leading system message, then the stored conversation of ``previous_response_id``
 (the replica's store; the gateway has none and keys the new input only), then the input
 items. Items: messages (``role`` + text or ``input_text``/``output_text`` parts),
-``function_call`` (an assistant tool call; consecutive calls form one assistant message)
-and ``function_call_output`` (a tool message). Function tools (``{"type": "function",
+``function_call`` (an assistant tool call; it joins the assistant message right before
+it, a message or other calls, as vLLM joins them) and ``function_call_output`` (a tool
+message). Function tools (``{"type": "function",
 "name", "parameters"}``) become chat tools.
 """
 
@@ -41,6 +42,22 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
 
 
+def _content(content: Any, where: str, lenient: bool) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: its text, or (``lenient``, with an image,
+    audio or a file among its parts) its parts, text parts as chat text parts."""
+    if lenient and isinstance(content, list) and any(_is_media(p) for p in content):
+        return [
+            {"type": "text", "text": p.get("text")} if p.get("type") in TEXT_PART_TYPES else p
+            for p in content
+            if isinstance(p, dict)
+        ]
+    return _text(content, where)
+
+
+def _is_media(part: object) -> bool:
+    return isinstance(part, dict) and part.get("type") not in TEXT_PART_TYPES
+
+
 def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -61,19 +78,37 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as chat messages."""
+def input_messages(req: ResponsesRequest, lenient: bool = False) -> list[dict[str, Any]]:
+    """The request's input items as chat messages, as vLLM builds them.
+
+    ``lenient``: for the gateway's keys in front of an engine that may take more than the
+    built-in replica does. Images, audio and files stay parts of their message (the keys
+    stop being exact there, gateway/routing.py's ``media_split``), a ``reasoning`` item
+    goes to its assistant message as vLLM puts it, and other item types are left out
+    of the keys rather than refused: the engine answers for them."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     out: list[dict[str, Any]] = []
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        last = out[-1] if out and out[-1]["role"] == "assistant" else None
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise OpenAIError(f"{where}: unknown role {role!r}", param="input")
-            out.append({"role": role, "content": _text(item.get("content", ""), where)})
+            content = _content(item.get("content", ""), where, lenient)
+            joins = role == "assistant" and item.get("type") == "message"
+            if joins and last is not None and last.get("content") is None:
+                last["content"] = content  # an output item after its turn's reasoning or call
+                continue
+            out.append({"role": role, "content": content})
+        elif kind == "reasoning" and lenient:
+            reasoning = _reasoning_text(item)
+            if last is not None and last.get("reasoning") is None:
+                last["reasoning"] = reasoning
+            else:
+                out.append({"role": "assistant", "content": None, "reasoning": reasoning})
         elif kind == "function_call":
             name, call_id = item.get("name"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(call_id, str):
@@ -83,9 +118,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {"name": name, "arguments": str(item.get("arguments") or "{}")},
             }
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None:  # vLLM's rule: the call joins the assistant turn before it
+                last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -94,6 +128,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 raise OpenAIError(f"{where}: a function_call_output needs call_id", param="input")
             text = output if isinstance(output, str) else _text(output, where)
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif lenient:
+            continue
         else:
             raise OpenAIError(
                 f"{where}: item type {kind!r} is not supported (message, function_call, "
@@ -103,12 +139,28 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools as chat tools; other tool types are refused."""
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text as vLLM reads it: its content, else its summary."""
+    for field_name in ("content", "summary"):
+        parts = item.get(field_name)
+        if isinstance(parts, list) and parts and isinstance(parts[0], dict):
+            text = parts[0].get("text")
+            if isinstance(text, str):
+                return text
+    return ""
+
+
+def chat_tools(
+    tools: list[dict[str, Any]] | None, lenient: bool = False
+) -> list[dict[str, Any]] | None:
+    """Responses function tools as chat tools; other tool types are refused (left out
+    when ``lenient``: the engine's built-in tools, which only it knows how to render)."""
     if tools is None:
         return None
     out = []
     for i, tool in enumerate(tools):
+        if lenient and tool.get("type") != "function":
+            continue
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
             raise OpenAIError(
                 f"tools[{i}]: only function tools with a name are supported", param="tools"
@@ -128,16 +180,19 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     return choice
 
 
-def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The Chat Completions body that renders this request's prompt."""
+def chat_body(
+    req: ResponsesRequest, history: list[dict[str, Any]], lenient: bool = False
+) -> dict[str, Any]:
+    """The Chat Completions body that renders this request's prompt (``lenient``: the
+    gateway's, see ``input_messages``)."""
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body: dict[str, Any] = {
         "model": req.model,
-        "messages": [*system, *history, *input_messages(req)],
+        "messages": [*system, *history, *input_messages(req, lenient)],
         "stream": False,
     }
     optional = {
-        "tools": chat_tools(req.tools),
+        "tools": chat_tools(req.tools, lenient),
         "tool_choice": chat_tool_choice(req.tool_choice),
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gateway.routing import KeyBuilder, bytes_as_tokens, prompt_keys
+from gateway.routing import MEDIA_PSEUDO_TOKENS, KeyBuilder, bytes_as_tokens, prompt_keys
 from prefixgate.chat_input import ChatInput
 from prefixgate.wire import ChatCompletionRequest, CompletionRequest
 from router.protocol import KeySpace, short_key
@@ -172,3 +172,51 @@ def test_a_prompt_over_the_head_is_keyed_by_its_head(monkeypatch: Any) -> None:
     head = prompt_keys(completion, tokenizer, "m", 16, "")
     all_keys = KeySpace("m", 16, "").short_keys(inner.encode(document))
     assert len(head.keys) > 100 and head.keys == all_keys[: len(head.keys)]
+
+
+def _image(data: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+
+def test_a_chat_with_images_is_keyed_exactly_up_to_its_first_image() -> None:
+    """A vision model's engine takes images: the gateway may not refuse them, and keys the
+    text before the first image as the engine renders it; from there on the chat's own
+    bytes, so the same chat's next turn (same image, more turns) matches all of it and
+    another image does not. A large image costs a digest, not a key per 64 bytes."""
+    from prefixgate.tokenizer import ChatTokenizer
+
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    look = {"role": "user", "content": [{"type": "text", "text": "What is it?"}, _image("A" * 8)]}
+    turn1: list[dict[str, Any]] = [system, look]
+    turn2 = [*turn1, {"role": "assistant", "content": "A cat. " * 30}, look]
+    other: list[dict[str, Any]] = [
+        system,
+        {**look, "content": [look["content"][0], _image("B" * 8)]},
+    ]  # type: ignore[index]
+    huge: list[dict[str, Any]] = [
+        system,
+        {**look, "content": [look["content"][0], _image("C" * 4_000_000)]},
+    ]  # type: ignore[index]
+
+    def request(messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+
+    tokenizer = ChatTokenizer.for_model("tiny-random")
+    for tok in (tokenizer, None):
+        one, two, three, big = (
+            prompt_keys(request(m), tok, "m", 16, "").keys for m in (turn1, turn2, other, huge)
+        )
+        # The system prompt's blocks: those of any chat that starts with it, as the
+        # engine renders them (here one whose question is text only).
+        alone = request([system]).model_copy(update={"add_generation_prompt": False})
+        exact = prompt_keys(alone, tok, "m", 16, "").keys
+        textual = prompt_keys(
+            request([system, {"role": "user", "content": "What?"}]), tok, "m", 16, ""
+        )
+        assert len(exact) >= 5 and one[: len(exact)] == exact == textual.keys[: len(exact)], tok
+        assert len(one) > len(exact) and two[: len(one)] == one, tok
+        diverged = next(i for i, (a, b) in enumerate(zip(one, three, strict=False)) if a != b)
+        assert len(exact) <= diverged < len(one), tok
+        assert len(big) <= len(one) + 1, tok
+        # An image weighs about as much as an engine's rendering of one.
+        assert len(one) - len(exact) >= MEDIA_PSEUDO_TOKENS // 16, tok

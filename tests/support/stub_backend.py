@@ -74,6 +74,7 @@ class StubConfig:
 class StubBackend:
     config: StubConfig
     requests: deque[dict[str, Any]] = field(default_factory=deque)
+    _responded: int = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -117,6 +118,8 @@ class StubBackend:
             await self._generate(scope, receive, send)
         elif method == "POST" and path in ("/v1/messages", "/v1/messages/count_tokens"):
             await self._messages(scope, receive, send)
+        elif method == "POST" and path == "/v1/responses":
+            await self._responses(scope, receive, send)
         else:
             await _send(
                 send, 404, json.dumps(_error("not found", "invalid_request_error")).encode()
@@ -215,6 +218,31 @@ class StubBackend:
             chunk = f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A whole Responses answer (no stream, nothing stored): as vLLM shapes it."""
+        body = json.loads(await _read(receive))
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self._remember({"path": scope["path"], "body": body, "headers": headers})
+        self._responded += 1
+        text = {"type": "output_text", "text": "tok0 tok1", "annotations": []}
+        item = {"type": "message", "id": "msg_stub", "role": "assistant", "status": "completed"}
+        answer = {
+            "id": f"resp_stub{self._responded}",
+            "object": "response",
+            "created_at": 0,
+            "model": body["model"],
+            "status": "completed",
+            "output": [{**item, "content": [text]}],
+            "usage": {
+                "input_tokens": 8,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 2,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 10,
+            },
+        }
+        await _send(send, 200, json.dumps(answer).encode())
 
     async def _stream(self, send: Send, model: str, chat: bool, include_usage: bool) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
