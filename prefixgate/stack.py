@@ -76,7 +76,7 @@ class Stack:
         self.children.append(child)
         # Rewritten after every start, so whoever inspects a run finds every live pid.
         lines = [f"{c.name} {c.proc.pid} {c.port}\n" for c in self.children]
-        (self.run_dir / PIDS_FILE).write_text("".join(lines))
+        write_whole(self.run_dir / PIDS_FILE, "".join(lines))
 
     def first_dead(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
@@ -193,3 +193,11 @@ def pick_ports(count: int, taken: set[int], run: int = 1) -> list[int]:
             ports.append(port)
             used.update(block)
     return ports
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees it whole or not at all (a script polling for
+    the run directory's ``ready`` found it empty, created but not yet written)."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)

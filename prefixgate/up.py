@@ -20,7 +20,7 @@ from prefixgate.engines import ENGINES, EnginePorts, bridge_command, engine_env,
 from prefixgate.envflags import add_env_flag
 from prefixgate.models import DEFAULT_MODEL, SIM_MODEL, model_dir
 from prefixgate.procs import ChildDied, start_redis
-from prefixgate.stack import PIDS_FILE, Child, Stack, pick_ports, report_death
+from prefixgate.stack import PIDS_FILE, Child, Stack, pick_ports, report_death, write_whole
 
 
 def connect_host(host: str) -> str:
@@ -195,7 +195,7 @@ def run(stack: Stack, args: argparse.Namespace) -> int:
     if not stack.wait_ready({"gateway": ready_url}, args.ready_timeout_s):
         return 0 if stack.stop_signal is not None else 1
     print(banner(args, f"{gateway_url}/v1"), flush=True)
-    (stack.run_dir / "ready").write_text(f"{gateway_url}/v1\n")
+    write_whole(stack.run_dir / "ready", f"{gateway_url}/v1\n")
     return stack.supervise()
 
 
