@@ -206,16 +206,22 @@ def prompt_keys(
     salt: str,
     memo: KeyMemo | None = None,
 ) -> PromptKeys:
-    """The request's block keys (from ``memo`` where a recent prompt shared a prefix)."""
+    """The request's block keys (from ``memo`` where a recent prompt shared a prefix).
+
+    A batch of completion prompts is keyed by its first (an evaluation harness's batch
+    shares its few-shot prefix) and counted as that many prompts of the first's length:
+    the work it queues on the replica it goes to."""
     space = KeySpace(model, block_size, salt)
     keys = space.short_keys if memo is None else partial(memo.short_keys, space)
+    copies = 1
     if isinstance(request, CompletionRequest):
         prompt = request.single_prompt()
+        copies = request.batch_size
         if not isinstance(prompt, str):  # token ids: exact whatever the tokenizer
-            return PromptKeys(keys(prompt), len(prompt), True)
+            return PromptKeys(keys(prompt), len(prompt) * copies, True)
         if tokenizer is not None:
             ids, tokens = _head_ids(tokenizer.encode, prompt, block_size)
-            return PromptKeys(keys(ids), tokens, True)
+            return PromptKeys(keys(ids), tokens * copies, True)
         text = prompt
     else:
         split = media_split(request)
@@ -236,7 +242,7 @@ def prompt_keys(
     words = bytes_as_tokens(text.encode("utf-8"))
     byte_space = KeySpace(f"bytes:{model}", block_size, salt)
     byte_keys = byte_space.short_keys if memo is None else partial(memo.short_keys, byte_space)
-    return PromptKeys(byte_keys(words), len(words), False)
+    return PromptKeys(byte_keys(words), len(words) * copies, False)
 
 
 def _byte_keys(space: KeySpace, memo: KeyMemo | None, ids: Sequence[int]) -> list[bytes]:

@@ -206,18 +206,28 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(
+    def _prompts(
         cls, value: str | list[int] | list[str] | list[list[int]]
     ) -> str | list[int] | list[str] | list[list[int]]:
+        """One prompt, or a batch of texts or of id lists (vLLM and SGLang take batches;
+        the built-in replica refuses them itself); every id list non-empty and in range."""
         if isinstance(value, list):
             if not value:
                 raise ValueError("prompt must not be empty")
-            if isinstance(value[0], str | list) and len(value) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt")
-            ids = value[0] if isinstance(value[0], list) else value
-            if ids and isinstance(ids[0], int):
-                _check_token_ids(ids)  # type: ignore[arg-type]
+            if isinstance(value[0], int):
+                _check_token_ids(value)  # type: ignore[arg-type]
+            elif isinstance(value[0], list):
+                for ids in value:
+                    if not ids:
+                        raise ValueError("a prompt of token ids must not be empty")
+                    _check_token_ids(ids)  # type: ignore[arg-type]
         return value
+
+    @property
+    def batch_size(self) -> int:
+        """How many prompts the request carries."""
+        p = self.prompt
+        return len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1
 
     @property
     def wants_logprobs(self) -> str | None:
@@ -229,7 +239,7 @@ class CompletionRequest(_SamplingFields):
         return self.max_tokens
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt as text or token ids."""
+        """The one prompt as text or token ids (a batch's first)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             return p[0]  # type: ignore[return-value]

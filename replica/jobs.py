@@ -205,6 +205,12 @@ def _warn_tools_ignored(model: str, replica: Replica) -> None:
 def job_from_completion(body: object, replica: Replica) -> Job:
     req = parse_request(CompletionRequest, body)
     model = check_model(req.model, replica)
+    if req.batch_size > 1:
+        raise OpenAIError(
+            "batched prompts are not supported by this replica; send one prompt per request",
+            param="prompt",
+            code="unsupported_value",
+        )
     prompt = req.single_prompt()
     tokenizer = replica.loaded.tokenizer
     if isinstance(prompt, str):

@@ -217,6 +217,9 @@ def test_completions_token_ids_n_seed_and_stop(replica: ReplicaProcess) -> None:
 
     echo = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True)
     assert echo.choices[0].text.startswith("Echo me")
+    # A batch is for engines that take one (the gateway routes it): a clear 400 here.
+    with pytest.raises(openai.BadRequestError, match="batched prompts are not supported by this"):
+        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1)
 
 
 def test_cache_stats_and_metrics(replica: ReplicaProcess) -> None:

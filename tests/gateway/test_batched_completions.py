@@ -1,0 +1,67 @@
+"""A batch of completion prompts (``prompt`` a list), as vLLM and SGLang take it and
+evaluation harnesses send it (lm-evaluation-harness batches its loglikelihood requests).
+The gateway refused every batch (400 "batched prompts are not supported") before any
+engine saw it. Now it is keyed by its first prompt and goes on as sent; the next batch
+that shares the first prompt's prefix goes to the same engine. Two stub engines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import Server, start_gateway, start_stub
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "stub-model"
+SHOTS = "Question: what is two and two?\nAnswer: four.\n\n" * 20
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[Server, list[Server]]]:
+    stubs = [start_stub(tmp_path, f"engine-{i}", "--model", MODEL) for i in range(2)]
+    gateway = start_gateway(tmp_path, "gateway", [s.url for s in stubs], "--model", MODEL)
+    try:
+        yield gateway, stubs
+    finally:
+        gateway.stop()
+        for stub in stubs:
+            stub.stop()
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_a_batch_of_prompts_reaches_an_engine_and_the_next_batch_the_same_one(
+    cluster: tuple[Server, list[Server]], as_ids: bool
+) -> None:
+    gateway, stubs = cluster
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    replicas = []
+    for batch in range(3):
+        texts = [f"{SHOTS}Question: {batch}-{i}?\nAnswer:" for i in range(4)]
+        ids = [[1000 + ord(c) % 500 for c in text] for text in texts]
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=ids if as_ids else texts, max_tokens=1
+        )
+        replicas.append(raw.headers["x-prefixgate-replica"])
+        if batch:
+            assert raw.headers["x-prefixgate-route"].startswith("prefix_match")
+    assert len(set(replicas)) == 1, replicas
+    seen = [r for s in stubs for r in httpx.get(s.url + "/stub/requests").json()]
+    sent = [r["body"]["prompt"] for r in seen if r.get("path") == "/v1/completions"]
+    assert len(sent) == 3 and all(len(p) == 4 for p in sent)  # passed on whole
+
+
+def test_a_batch_with_an_empty_or_out_of_range_prompt_is_a_400(
+    cluster: tuple[Server, list[Server]],
+) -> None:
+    gateway, _ = cluster
+    for prompt in ([[5, 6], []], [[5], [-1]], []):
+        answer = httpx.post(
+            gateway.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}, timeout=30
+        )
+        assert answer.status_code == 400, prompt
+        assert answer.json()["error"]["param"] == "prompt"
