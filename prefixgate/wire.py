@@ -209,8 +209,8 @@ class CompletionRequest(_SamplingFields):
     def _prompts(
         cls, value: str | list[int] | list[str] | list[list[int]]
     ) -> str | list[int] | list[str] | list[list[int]]:
-        """One prompt, or a batch of texts or of id lists (vLLM and SGLang take batches;
-        the built-in replica refuses them itself); every id list non-empty and in range."""
+        """One prompt, or a batch of texts or of id lists (as vLLM and SGLang take them);
+        every id list non-empty and in range."""
         if isinstance(value, list):
             if not value:
                 raise ValueError("prompt must not be empty")

@@ -45,10 +45,11 @@ class Job:
     echo_prefix: str = ""  # completions with echo=true: the prompt text goes first
     parse_tools: bool = False  # tool choice auto with a parser: tool calls from the text
     single_tool_call: bool = False  # parallel_tool_calls false: the first call only
+    part: int | None = None  # a batch's prompt number: its own engine request, one answer
 
     @property
     def engine_request_id(self) -> str:
-        return self.response_id
+        return self.response_id if self.part is None else f"{self.response_id}-{self.part}"
 
 
 @dataclass(slots=True)
@@ -202,16 +203,33 @@ def _warn_tools_ignored(model: str, replica: Replica) -> None:
     )
 
 
-def job_from_completion(body: object, replica: Replica) -> Job:
+def jobs_from_completion(body: object, replica: Replica) -> list[Job]:
+    """A completion request's jobs: one, or one per prompt of a batch (vLLM's list
+    ``prompt``), which share the answer's id (replica/respond.py, ``run_batch``)."""
     req = parse_request(CompletionRequest, body)
     model = check_model(req.model, replica)
-    if req.batch_size > 1:
+    if req.batch_size == 1:
+        return [_completion_job(req, model, req.single_prompt(), replica)]
+    if req.stream:
         raise OpenAIError(
-            "batched prompts are not supported by this replica; send one prompt per request",
-            param="prompt",
+            "a streamed batch of prompts is not supported by this replica; send a batch "
+            "with stream false, or one prompt per streamed request",
+            param="stream",
             code="unsupported_value",
         )
-    prompt = req.single_prompt()
+    first = _completion_job(req, model, req.prompt[0], replica)  # type: ignore[arg-type]
+    first.part = 0
+    jobs = [first]
+    for i, prompt in enumerate(req.prompt[1:], start=1):
+        job = _completion_job(req, model, prompt, replica)  # type: ignore[arg-type]
+        job.response_id, job.created, job.part = first.response_id, first.created, i
+        jobs.append(job)
+    return jobs
+
+
+def _completion_job(
+    req: CompletionRequest, model: str, prompt: str | list[int], replica: Replica
+) -> Job:
     tokenizer = replica.loaded.tokenizer
     if isinstance(prompt, str):
         if not prompt:

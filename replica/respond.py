@@ -72,6 +72,62 @@ async def run_job(job: Job, request: Request, replica: Replica) -> Response:
     return JSONResponse(_full_body(job, output))
 
 
+async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Response:
+    """A batch of completion prompts, each its own engine request, answered whole as one
+    completion as vLLM answers it: prompt i's ``n`` choices at indexes ``i*n`` on, usage
+    summed. A client that leaves frees every prompt's blocks; a prompt the engine refuses
+    cancels those already submitted, and one it fails makes the answer a 500."""
+    start = time.perf_counter()
+    submitted: list[Job] = []
+    try:
+        handles = []
+        for job in jobs:
+            handles.append(_submit(job, replica))
+            submitted.append(job)
+        clocks = [JobClock(start=start) for _ in jobs]
+        collects = [
+            asyncio.create_task(_collect(h, c, replica))
+            for h, c in zip(handles, clocks, strict=True)
+        ]
+        gone = asyncio.create_task(_client_gone(request))
+        every: asyncio.Future[list[RequestOutput]] = asyncio.gather(*collects)
+        try:
+            waits: list[asyncio.Future[Any]] = [every, gone]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            left = not every.done()  # the client left first (or the server stops)
+            if left:
+                every.cancel()
+    finally:
+        for job, handle in zip(submitted, handles, strict=False):
+            if not handle.finished:  # the client left, or a refusal or cancellation
+                replica.engine.cancel(job.engine_request_id)
+    if left:
+        return Response(status_code=499)
+    outputs: list[RequestOutput] = every.result()
+    failed = next((o.error for o in outputs if o.error is not None), None)
+    if failed is not None:
+        raise _engine_error(failed)
+    choices = []
+    for job, output, job_clock in zip(jobs, outputs, clocks, strict=True):
+        _observe(job, output, job_clock, replica)
+        base = (job.part or 0) * job.params.n
+        choices += [
+            fmt.Choice(base + c.index, job.echo_prefix + c.text, c.finish_reason, c.stop_reason)
+            for c in output.choices
+        ]
+    use = fmt.Usage(
+        sum(o.prompt_tokens for o in outputs),
+        sum(o.completion_tokens for o in outputs),
+        sum(o.cached_tokens for o in outputs),
+    )
+    first = jobs[0]
+    return JSONResponse(
+        fmt.text_completion(first.response_id, first.model, first.created, choices, use)
+    )
+
+
 def event_stream(
     events: AsyncIterator[bytes], handle: RequestHandle, job: Job, replica: Replica
 ) -> StreamingResponse:

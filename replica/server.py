@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
-from replica.jobs import job_from_chat, job_from_completion, off_loop_if_large
+from replica.jobs import job_from_chat, jobs_from_completion, off_loop_if_large
 from replica.messages import add_messages_routes
-from replica.respond import run_job
+from replica.respond import run_batch, run_job
 from replica.responses import add_response_routes
 from replica.state import Replica
 from replica.tokenize_api import add_tokenize_routes
@@ -164,10 +164,12 @@ def create_app(replica: Replica) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         raw = await request.body()
-        job = await off_loop_if_large(
-            len(raw), lambda: job_from_completion(load_json_body(raw), replica)
+        jobs = await off_loop_if_large(
+            len(raw), lambda: jobs_from_completion(load_json_body(raw), replica)
         )
-        return await run_job(job, request, replica)
+        if len(jobs) > 1:
+            return await run_batch(jobs, request, replica)
+        return await run_job(jobs[0], request, replica)
 
     add_response_routes(app, replica)
     add_tokenize_routes(app, replica)

@@ -217,9 +217,19 @@ def test_completions_token_ids_n_seed_and_stop(replica: ReplicaProcess) -> None:
 
     echo = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=3, echo=True)
     assert echo.choices[0].text.startswith("Echo me")
-    # A batch is for engines that take one (the gateway routes it): a clear 400 here.
-    with pytest.raises(openai.BadRequestError, match="batched prompts are not supported by this"):
-        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1)
+    # A batch, as vLLM answers it: prompt i's n choices at i*n on, usage summed.
+    prompts = [prompt, list(range(2000, 2030))]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0, n=2)
+        for p in prompts
+    ]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+    assert batch.usage is not None and batch.usage.prompt_tokens == 70
+    assert batch.usage.completion_tokens == 24
+    with pytest.raises(openai.BadRequestError, match="streamed batch"):
+        client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, stream=True)
 
 
 def test_cache_stats_and_metrics(replica: ReplicaProcess) -> None:
@@ -351,6 +361,19 @@ def test_non_streaming_disconnect_frees_blocks(replica: ReplicaProcess, path: st
     body = {"model": MODEL, **LONG_ANSWERS[path]}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(replica.url + path, json=body, timeout=httpx.Timeout(1.0))
+    wait_until(
+        lambda: replica.cache_stats()["pinned_blocks"] == 0,
+        timeout_s=FREED_WITHIN_S,
+        what="no pinned blocks",
+    )
+    assert replica.metric("prefixgate:num_requests_running") == 0
+
+
+def test_a_batch_whose_client_leaves_frees_every_prompts_blocks(replica: ReplicaProcess) -> None:
+    body = {**LONG_ANSWERS["/v1/completions"], "model": MODEL}
+    body["prompt"] = [list(range(3000, 3100)), list(range(4000, 4100))]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(replica.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
     wait_until(
         lambda: replica.cache_stats()["pinned_blocks"] == 0,
         timeout_s=FREED_WITHIN_S,
