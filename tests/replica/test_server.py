@@ -230,6 +230,8 @@ def test_completions_token_ids_n_seed_and_stop(replica: ReplicaProcess) -> None:
     assert batch.usage.completion_tokens == 24
     with pytest.raises(openai.BadRequestError, match="streamed batch"):
         client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, stream=True)
+    with pytest.raises(openai.BadRequestError, match="more than this replica queues"):
+        client.completions.create(model=MODEL, prompt=[[7]] * 257, max_tokens=1)  # 256 queue
 
 
 def test_cache_stats_and_metrics(replica: ReplicaProcess) -> None:
