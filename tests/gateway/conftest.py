@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from prefixgate.procs import free_port, stop_process, wait_http_ok
 
@@ -88,3 +92,29 @@ def write_api_keys(path: Path) -> Path:
     }
     path.write_text(json.dumps(keys))
     return path
+
+
+@dataclass(slots=True)
+class StubCluster:
+    gateway: Server
+    stubs: list[Server]
+
+    def received(self, path: str) -> list[dict[str, Any]]:
+        """What the stubs were sent on ``path`` (their recent requests)."""
+        seen = [httpx.get(s.url + "/stub/requests").json() for s in self.stubs]
+        return [r for requests in seen for r in requests if r.get("path") == path]
+
+
+@contextmanager
+def stub_cluster(workdir: Path, model: str, engines: int = 2) -> Iterator[StubCluster]:
+    """A gateway in front of ``engines`` stub backends serving ``model``."""
+    stubs = [start_stub(workdir, f"engine-{i}", "--model", model) for i in range(engines)]
+    try:
+        gateway = start_gateway(workdir, "gateway", [s.url for s in stubs], "--model", model)
+        try:
+            yield StubCluster(gateway, stubs)
+        finally:
+            gateway.stop()
+    finally:
+        for stub in stubs:
+            stub.stop()

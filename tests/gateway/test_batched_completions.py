@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import Server, start_gateway, start_stub
+from tests.gateway.conftest import StubCluster, stub_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,22 +22,16 @@ SHOTS = "Question: what is two and two?\nAnswer: four.\n\n" * 20
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Server, list[Server]]]:
-    stubs = [start_stub(tmp_path, f"engine-{i}", "--model", MODEL) for i in range(2)]
-    gateway = start_gateway(tmp_path, "gateway", [s.url for s in stubs], "--model", MODEL)
-    try:
-        yield gateway, stubs
-    finally:
-        gateway.stop()
-        for stub in stubs:
-            stub.stop()
+def cluster(tmp_path: Path) -> Iterator[StubCluster]:
+    with stub_cluster(tmp_path, MODEL) as running:
+        yield running
 
 
 @pytest.mark.parametrize("as_ids", [False, True])
 def test_a_batch_of_prompts_reaches_an_engine_and_the_next_batch_the_same_one(
-    cluster: tuple[Server, list[Server]], as_ids: bool
+    cluster: StubCluster, as_ids: bool
 ) -> None:
-    gateway, stubs = cluster
+    gateway = cluster.gateway
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     replicas = []
     for batch in range(3):
@@ -50,15 +44,14 @@ def test_a_batch_of_prompts_reaches_an_engine_and_the_next_batch_the_same_one(
         if batch:
             assert raw.headers["x-prefixgate-route"].startswith("prefix_match")
     assert len(set(replicas)) == 1, replicas
-    seen = [r for s in stubs for r in httpx.get(s.url + "/stub/requests").json()]
-    sent = [r["body"]["prompt"] for r in seen if r.get("path") == "/v1/completions"]
+    sent = [r["body"]["prompt"] for r in cluster.received("/v1/completions")]
     assert len(sent) == 3 and all(len(p) == 4 for p in sent)  # passed on whole
 
 
 def test_a_batch_with_an_empty_or_out_of_range_prompt_is_a_400(
-    cluster: tuple[Server, list[Server]],
+    cluster: StubCluster,
 ) -> None:
-    gateway, _ = cluster
+    gateway = cluster.gateway
     for prompt in ([[5, 6], []], [[5], [-1]], []):
         answer = httpx.post(
             gateway.url + "/v1/completions", json={"model": MODEL, "prompt": prompt}, timeout=30

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import Server, start_gateway, start_stub
+from tests.gateway.conftest import StubCluster, stub_cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,30 +28,19 @@ SYSTEM = "You describe pictures for people who cannot see them. " * 30
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Server, list[Server]]]:
-    stubs = [start_stub(tmp_path, f"engine-{i}", "--model", MODEL) for i in range(2)]
-    gateway = start_gateway(tmp_path, "gateway", [s.url for s in stubs], "--model", MODEL)
-    try:
-        yield gateway, stubs
-    finally:
-        gateway.stop()
-        for stub in stubs:
-            stub.stop()
+def cluster(tmp_path: Path) -> Iterator[StubCluster]:
+    with stub_cluster(tmp_path, MODEL) as running:
+        yield running
 
 
 def _image(data: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
 
 
-def _received(stubs: list[Server], path: str) -> list[dict[str, Any]]:
-    seen = [httpx.get(s.url + "/stub/requests").json() for s in stubs]
-    return [r for requests in seen for r in requests if r.get("path") == path]
-
-
 def test_a_chat_with_an_image_reaches_the_engine_and_its_next_turn_the_same_one(
-    cluster: tuple[Server, list[Server]],
+    cluster: StubCluster,
 ) -> None:
-    gateway, stubs = cluster
+    gateway = cluster.gateway
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     look = [{"type": "text", "text": "What is in this picture?"}, _image(PIXEL * 50)]
     chat: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": look}]
@@ -67,15 +56,15 @@ def test_a_chat_with_an_image_reaches_the_engine_and_its_next_turn_the_same_one(
             {"role": "user", "content": f"And the colours, {turn}?"},
         ]
     assert len(set(replicas)) == 1, replicas
-    forwarded = _received(stubs, "/v1/chat/completions")
+    forwarded = cluster.received("/v1/chat/completions")
     assert len(forwarded) == 3
     assert forwarded[0]["body"]["messages"][1]["content"] == look  # passed on as sent
 
 
 def test_images_through_the_responses_and_messages_apis(
-    cluster: tuple[Server, list[Server]],
+    cluster: StubCluster,
 ) -> None:
-    gateway, stubs = cluster
+    gateway = cluster.gateway
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     items: list[Any] = [
         {
@@ -103,7 +92,7 @@ def test_images_through_the_responses_and_messages_apis(
         tools=[{"type": "web_search_preview"}],  # the engine's built-in tool
     )
     assert answer.output_text == "tok0 tok1"
-    assert len(_received(stubs, "/v1/responses")) == 1
+    assert len(cluster.received("/v1/responses")) == 1
     message = httpx.post(
         gateway.url + "/v1/messages",
         json={
@@ -125,4 +114,4 @@ def test_images_through_the_responses_and_messages_apis(
         timeout=30,
     )
     assert message.status_code == 200, message.text
-    assert len(_received(stubs, "/v1/messages")) == 1
+    assert len(cluster.received("/v1/messages")) == 1
