@@ -20,7 +20,10 @@ its chat completions read (``reasoning_content``, ``documents``), so each chat's
 and a tool loop, reasoning under both names, Claude Code's billing line in a system
 prompt (as parts, as one string), developer messages, text parts, names, documents,
 template kwargs, a continued final message, and the chats Anthropic Messages requests
-read as (prefixgate/wire_messages.py).
+read as (prefixgate/wire_messages.py). Then Responses requests: vLLM's own input token
+count against the tokens of the chat the gateway keys them by (and the replica's count,
+where it takes the request): a tool loop in items, a message and its call, reasoning
+items, a built-in tool.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import httpx
 
 from prefixgate.wire_messages import to_chat
+from prefixgate.wire_responses import ResponsesRequest, chat_body
 
 MODEL = "smollm2-135m"
 SYSTEM = "You are a careful coding agent. Read files before you edit them."
@@ -142,6 +146,73 @@ def cases() -> dict[str, dict[str, Any]]:
     }
 
 
+RESPONSES_TOOL = {"type": "function", **TOOL["function"]}  # type: ignore[dict-item]
+RESPONSES_CALL = {
+    "type": "function_call",
+    "call_id": "call_1",
+    "name": "get_weather",
+    "arguments": '{"city": "Paris"}',
+}
+RESPONSES_OUTPUT = {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"}
+REASONING_ITEM = {
+    "type": "reasoning",
+    "id": "rs_1",
+    "summary": [],
+    "content": [{"type": "reasoning_text", "text": "Call it."}],
+}
+SAID = {
+    "type": "message",
+    "id": "msg_1",
+    "status": "completed",
+    "role": "assistant",
+    "content": [{"type": "output_text", "text": "Let me check."}],
+}
+
+
+def responses_cases() -> dict[str, dict[str, Any]]:
+    """Responses requests; those with a reasoning item or a built-in tool only the
+    gateway's keys read (the built-in replica refuses them)."""
+    loop = [USER, RESPONSES_CALL, RESPONSES_OUTPUT]
+    return {
+        "instructions, text": {"instructions": SYSTEM, "input": USER["content"]},
+        "function tools, a tool loop": {"input": loop, "tools": [RESPONSES_TOOL]},
+        "a message, then its call": {
+            "input": [USER, SAID, RESPONSES_CALL, RESPONSES_OUTPUT],
+            "tools": [RESPONSES_TOOL],
+        },
+        "a reasoning item, then its call": {
+            "input": [USER, REASONING_ITEM, RESPONSES_CALL, RESPONSES_OUTPUT],
+            "tools": [RESPONSES_TOOL],
+        },
+        "an answer sent back with its reasoning": {"input": [USER, REASONING_ITEM, SAID, USER]},
+        "a built-in tool beside a function": {
+            "input": loop,
+            "tools": [{"type": "web_search_preview"}, RESPONSES_TOOL],
+        },
+    }
+
+
+def responses_input_tokens(base: str, body: dict[str, Any]) -> int | str:
+    """A Responses request's own count (tool choice none: rendered, never parsed)."""
+    request = {**body, "model": MODEL, "max_output_tokens": 1, "store": False}
+    if "tools" in body:
+        request["tool_choice"] = "none"
+    r = httpx.post(base + "/v1/responses", json=request, timeout=120)
+    if r.status_code != 200:
+        return f"{r.status_code} {r.text[:100]}"
+    count: int = r.json()["usage"]["input_tokens"]
+    return count
+
+
+def gateway_count(ours: str, body: dict[str, Any]) -> int | str:
+    """How many tokens the gateway's keys cover: the chat it reads the request as
+    (``chat_body(..., lenient=True)``), tokenized by the replica's ``/tokenize``."""
+    request = ResponsesRequest.model_validate({**body, "model": MODEL})
+    chat = chat_body(request, [], lenient=True)
+    counted = tokens(ours, {k: chat[k] for k in ("messages", "tools") if k in chat})
+    return counted if isinstance(counted, str) else len(counted)
+
+
 def tokens(base: str, body: dict[str, Any]) -> list[int] | str:
     r = httpx.post(base + "/tokenize", json={**body, "model": MODEL}, timeout=60)
     if r.status_code != 200:
@@ -190,6 +261,14 @@ def main() -> None:
         )
     print(f"/tokenize ids equal in {equal} of {len(all_cases)} cases")
     print(f"chat completions' prompt_tokens equal in {counted} of {len(all_cases)} cases")
+    agreed, more = 0, responses_cases()
+    for name, body in more.items():
+        engine = responses_input_tokens(args.vllm, body)
+        keyed = gateway_count(args.ours, body)
+        replica = responses_input_tokens(args.ours, body)
+        agreed += engine == keyed
+        print(f"Responses   {name}: vLLM {engine}, gateway keys {keyed}, replica {replica}")
+    print(f"Responses: the gateway's tokens equal vLLM's in {agreed} of {len(more)} cases")
 
 
 if __name__ == "__main__":
