@@ -11,6 +11,7 @@ import signal
 from bridge.engine_auth import add_engine_api_key_flag, engine_api_key
 from bridge.media import parse_medium_flag
 from bridge.service import Bridge, BridgeConfig
+from bridge.zmq_source import rank_endpoint
 from prefixgate.envflags import add_env_flag, add_env_list_flag
 from router.protocol import DEFAULT_BLOCK_SIZE, MAX_DATA_PARALLEL_RANK
 
@@ -110,6 +111,10 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
             from prefixgate.tokenizer import read_chat_template_file
 
             template = read_chat_template_file(args.chat_template)
+        if args.data_parallel_rank:  # the rank's own endpoints, offset as the engine does
+            for endpoint in (args.kv_events, args.replay):
+                if endpoint is not None:
+                    rank_endpoint(endpoint, args.data_parallel_rank)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     logging.basicConfig(

@@ -72,6 +72,10 @@ def test_the_flag() -> None:
     assert parse_args(base).data_parallel_rank is None
     with pytest.raises(SystemExit):
         parse_args([*base, "--data-parallel-rank", "-1"])
+    with pytest.raises(SystemExit):  # no port to offset: refused, not a crash at start
+        parse_args(
+            ["--engine-url", "http://e:8000", "--kv-events", "tcp://e", "--data-parallel-rank", "1"]
+        )
 
 
 class Ranks:
