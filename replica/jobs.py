@@ -210,13 +210,6 @@ def jobs_from_completion(body: object, replica: Replica) -> list[Job]:
     model = check_model(req.model, replica)
     if req.batch_size == 1:
         return [_completion_job(req, model, req.single_prompt(), replica)]
-    if req.stream:
-        raise OpenAIError(
-            "a streamed batch of prompts is not supported by this replica; send a batch "
-            "with stream false, or one prompt per streamed request",
-            param="stream",
-            code="unsupported_value",
-        )
     first = _completion_job(req, model, req.prompt[0], replica)  # type: ignore[arg-type]
     first.part = 0
     jobs = [first]

@@ -73,10 +73,11 @@ async def run_job(job: Job, request: Request, replica: Replica) -> Response:
 
 
 async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Response:
-    """A batch of completion prompts, each its own engine request, answered whole as one
-    completion as vLLM answers it: prompt i's ``n`` choices at indexes ``i*n`` on, usage
-    summed. A client that leaves frees every prompt's blocks; a prompt the engine refuses
-    cancels those already submitted, and one it fails makes the answer a 500."""
+    """A batch of completion prompts, each its own engine request, answered as one
+    completion as vLLM answers it, whole or streamed: prompt i's ``n`` choices at indexes
+    ``i*n`` on, usage summed. A client that leaves frees every prompt's blocks; a prompt
+    the engine refuses cancels those already submitted, and one it fails makes the answer
+    a 500 (streamed: an error event, then the end)."""
     limit = replica.engine.config.max_waiting
     if len(jobs) > limit:  # it could never all queue: no retry would help
         raise OpenAIError(
@@ -87,12 +88,24 @@ async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Resp
         )
     start = time.perf_counter()
     submitted: list[Job] = []
+    handles: list[RequestHandle] = []
     try:
-        handles = []
         for job in jobs:
             handles.append(_submit(job, replica))
             submitted.append(job)
-        clocks = [JobClock(start=start) for _ in jobs]
+    except BaseException:
+        for job in submitted:
+            replica.engine.cancel(job.engine_request_id)
+        raise
+    clocks = [JobClock(start=start) for _ in jobs]
+    if jobs[0].stream:
+        return StreamingResponse(
+            _batch_stream(jobs, handles, clocks, replica),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(_cancel_all_unfinished, handles, jobs, replica),
+        )
+    try:
         collects = [
             asyncio.create_task(_collect(h, c, replica))
             for h, c in zip(handles, clocks, strict=True)
@@ -108,9 +121,7 @@ async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Resp
             if left:
                 every.cancel()
     finally:
-        for job, handle in zip(submitted, handles, strict=False):
-            if not handle.finished:  # the client left, or a refusal or cancellation
-                replica.engine.cancel(job.engine_request_id)
+        _cancel_all_unfinished(handles, jobs, replica)  # the client left, or we stop
     if left:
         return Response(status_code=499)
     outputs: list[RequestOutput] = every.result()
@@ -134,6 +145,65 @@ async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Resp
     return JSONResponse(
         fmt.text_completion(first.response_id, first.model, first.created, choices, use)
     )
+
+
+async def _batch_stream(
+    jobs: list[Job], handles: list[RequestHandle], clocks: list[JobClock], replica: Replica
+) -> AsyncIterator[bytes]:
+    """A batch's chunks as its prompts make them, each choice at its batch index; then one
+    usage chunk for them all (when asked) and ``[DONE]``. An engine failure in any prompt
+    is an error event, and the stream ends there."""
+    queue: asyncio.Queue[bytes | int] = asyncio.Queue()  # chunks, and each prompt's end
+
+    async def pump(i: int) -> None:
+        job = jobs[i]
+        try:
+            base = (job.part or 0) * job.params.n
+            chunks = _stream(job, handles[i], clocks[i], replica, index_base=base, tail=False)
+            async for chunk in chunks:
+                queue.put_nowait(chunk)
+        finally:
+            queue.put_nowait(i)
+
+    pumps = [asyncio.create_task(pump(i)) for i in range(len(jobs))]
+    try:
+        running = len(pumps)
+        while running:
+            item = await queue.get()
+            if isinstance(item, int):
+                running -= 1
+                if _failed(handles[item]):  # its error event is out: nothing more follows
+                    yield fmt.SSE_DONE
+                    return
+                continue
+            yield item
+        first = jobs[0]
+        if first.include_usage:
+            outputs = [_output(h) for h in handles]
+            use = fmt.Usage(
+                sum(o.prompt_tokens for o in outputs),
+                sum(o.completion_tokens for o in outputs),
+                sum(o.cached_tokens for o in outputs),
+            )
+            usage = fmt.usage_chunk(
+                first.response_id, first.model, first.created, "text_completion", use
+            )
+            yield fmt.sse(usage)
+        yield fmt.SSE_DONE
+    finally:
+        for task in pumps:  # the client left, or a prompt failed: the rest stop now
+            task.cancel()
+        _cancel_all_unfinished(handles, jobs, replica)
+
+
+def _failed(handle: RequestHandle) -> bool:
+    output: RequestOutput | None = handle.output
+    return output is not None and output.error is not None
+
+
+def _cancel_all_unfinished(handles: list[RequestHandle], jobs: list[Job], replica: Replica) -> None:
+    for handle, job in zip(handles, jobs, strict=False):
+        _cancel_unfinished(handle, job, replica)
 
 
 def event_stream(
@@ -223,8 +293,16 @@ def _full_body(job: Job, output: RequestOutput) -> dict[str, Any]:
 
 
 async def _stream(
-    job: Job, handle: RequestHandle, clock: JobClock, replica: Replica
+    job: Job,
+    handle: RequestHandle,
+    clock: JobClock,
+    replica: Replica,
+    *,
+    index_base: int = 0,
+    tail: bool = True,
 ) -> AsyncIterator[bytes]:
+    """One engine request's chunks; ``index_base``: where its choices' indexes start (a
+    batch's prompt), ``tail``: whether it ends the stream (usage chunk, ``[DONE]``)."""
     finished = False
     tools = (
         ToolCallChunks(job.response_id, job.model, job.created, job.single_tool_call)
@@ -232,7 +310,7 @@ async def _stream(
         else None
     )
     try:
-        for index in range(job.params.n):
+        for index in range(index_base, index_base + job.params.n):
             if job.chat:
                 yield fmt.sse(
                     fmt.chat_chunk(
@@ -249,8 +327,9 @@ async def _stream(
             clock.tick(len(delta.token_ids), replica.metrics)
             if not delta.text and delta.finish_reason is None:
                 continue
+            index = index_base + delta.index
             if tools is not None:
-                for tool_chunk in tools.chunks(delta.index, delta.text, delta.finish_reason):
+                for tool_chunk in tools.chunks(index, delta.text, delta.finish_reason):
                     yield fmt.sse(tool_chunk)
                 continue
             if job.chat:
@@ -258,7 +337,7 @@ async def _stream(
                     job.response_id,
                     job.model,
                     job.created,
-                    delta.index,
+                    index,
                     content=delta.text or None,
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
@@ -268,7 +347,7 @@ async def _stream(
                     job.response_id,
                     job.model,
                     job.created,
-                    delta.index,
+                    index,
                     delta.text,
                     delta.finish_reason,
                     delta.stop_reason,
@@ -281,9 +360,12 @@ async def _stream(
             error = _engine_error(output.error)
             replica.metrics.request_errors.labels(code=error.code).inc()
             yield fmt.sse(error.body())
-            yield fmt.SSE_DONE
+            if tail:
+                yield fmt.SSE_DONE
             return
         _observe(job, output, clock, replica)
+        if not tail:
+            return
         if job.include_usage:
             use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
             obj = "chat.completion.chunk" if job.chat else "text_completion"

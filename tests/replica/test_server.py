@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 from typing import Any
 
 import anthropic
@@ -228,8 +229,18 @@ def test_completions_token_ids_n_seed_and_stop(replica: ReplicaProcess) -> None:
     assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
     assert batch.usage is not None and batch.usage.prompt_tokens == 70
     assert batch.usage.completion_tokens == 24
-    with pytest.raises(openai.BadRequestError, match="streamed batch"):
-        client.completions.create(model=MODEL, prompt=prompts, max_tokens=1, stream=True)
+    # Streamed: each choice's pieces at its batch index, one usage chunk for the batch.
+    texts = ["", "", "", ""]
+    usage = None
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True},
+    ):  # fmt: skip
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        usage = chunk.usage or usage
+    assert texts == [c.text for c in batch.choices]
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (70, 24)
     with pytest.raises(openai.BadRequestError, match="more than this replica queues"):
         client.completions.create(model=MODEL, prompt=[[7]] * 257, max_tokens=1)  # 256 queue
 
@@ -371,11 +382,29 @@ def test_non_streaming_disconnect_frees_blocks(replica: ReplicaProcess, path: st
     assert replica.metric("prefixgate:num_requests_running") == 0
 
 
-def test_a_batch_whose_client_leaves_frees_every_prompts_blocks(replica: ReplicaProcess) -> None:
-    body = {**LONG_ANSWERS["/v1/completions"], "model": MODEL}
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_whose_client_leaves_frees_every_prompts_blocks(
+    replica: ReplicaProcess, stream: bool
+) -> None:
+    body = {**LONG_ANSWERS["/v1/completions"], "model": MODEL, "stream": stream}
     body["prompt"] = [list(range(3000, 3100)), list(range(4000, 4100))]
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(replica.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
+    if stream:
+        with httpx.stream("POST", replica.url + "/v1/completions", json=body, timeout=30) as r:
+            seen = set()
+            lines = r.iter_lines()  # held: a dropped iterator closes the stream
+            for line in lines:  # until both prompts are decoding
+                if line.startswith("data: {"):
+                    seen.add(json.loads(line[6:])["choices"][0]["index"])
+                if seen == {0, 1}:
+                    break
+            wait_until(
+                lambda: replica.cache_stats()["pinned_blocks"] > 0,
+                timeout_s=FREED_WITHIN_S,
+                what="the batch's blocks pinned (the stats are as of the engine's last step)",
+            )
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(replica.url + "/v1/completions", json=body, timeout=httpx.Timeout(1.0))
     wait_until(
         lambda: replica.cache_stats()["pinned_blocks"] == 0,
         timeout_s=FREED_WITHIN_S,
