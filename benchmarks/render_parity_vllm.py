@@ -193,15 +193,9 @@ def responses_cases() -> dict[str, dict[str, Any]]:
 
 
 def responses_input_tokens(base: str, body: dict[str, Any]) -> int | str:
-    """A Responses request's own count (tool choice none: rendered, never parsed)."""
-    request = {**body, "model": MODEL, "max_output_tokens": 1, "store": False}
-    if "tools" in body:
-        request["tool_choice"] = "none"
-    r = httpx.post(base + "/v1/responses", json=request, timeout=120)
-    if r.status_code != 200:
-        return f"{r.status_code} {r.text[:100]}"
-    count: int = r.json()["usage"]["input_tokens"]
-    return count
+    """A Responses request's own count."""
+    request = {**body, "max_output_tokens": 1, "store": False}
+    return _counted(base, "/v1/responses", request, "input_tokens")
 
 
 def gateway_count(ours: str, body: dict[str, Any]) -> int | str:
@@ -222,14 +216,20 @@ def tokens(base: str, body: dict[str, Any]) -> list[int] | str:
 
 
 def prompt_tokens(base: str, body: dict[str, Any]) -> int | str:
-    """The chat completion's own count (tool choice none: rendered, never parsed)."""
-    chat = {**body, "model": MODEL, "max_tokens": 1}
+    """The chat completion's own count."""
+    return _counted(base, "/v1/chat/completions", {**body, "max_tokens": 1}, "prompt_tokens")
+
+
+def _counted(base: str, path: str, body: dict[str, Any], field: str) -> int | str:
+    """The prompt's token count in the answer's usage (tool choice none: the tools are
+    rendered, the output never parsed); the error when there is no answer."""
+    request = {**body, "model": MODEL}
     if "tools" in body:
-        chat["tool_choice"] = "none"
-    r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=120)
+        request["tool_choice"] = "none"
+    r = httpx.post(base + path, json=request, timeout=120)
     if r.status_code != 200:
         return f"{r.status_code} {r.text[:160]}"
-    count: int = r.json()["usage"]["prompt_tokens"]
+    count: int = r.json()["usage"][field]
     return count
 
 

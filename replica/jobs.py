@@ -210,6 +210,14 @@ def jobs_from_completion(body: object, replica: Replica) -> list[Job]:
     model = check_model(req.model, replica)
     if req.batch_size == 1:
         return [_completion_job(req, model, req.single_prompt(), replica)]
+    limit = replica.engine.config.max_waiting
+    if req.batch_size > limit:  # it could never all queue: refused before any is encoded
+        raise OpenAIError(
+            f"a batch of {req.batch_size} prompts is more than this replica queues "
+            f"(max_waiting={limit}); send at most {limit} per request",
+            param="prompt",
+            code="invalid_value",
+        )
     first = _completion_job(req, model, req.prompt[0], replica)  # type: ignore[arg-type]
     first.part = 0
     jobs = [first]

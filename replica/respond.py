@@ -78,14 +78,6 @@ async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Resp
     ``i*n`` on, usage summed. A client that leaves frees every prompt's blocks; a prompt
     the engine refuses cancels those already submitted, and one it fails makes the answer
     a 500 (streamed: an error event, then the end)."""
-    limit = replica.engine.config.max_waiting
-    if len(jobs) > limit:  # it could never all queue: no retry would help
-        raise OpenAIError(
-            f"a batch of {len(jobs)} prompts is more than this replica queues "
-            f"(max_waiting={limit}); send at most {limit} per request",
-            param="prompt",
-            code="invalid_value",
-        )
     start = time.perf_counter()
     submitted: list[Job] = []
     handles: list[RequestHandle] = []
