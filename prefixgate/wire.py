@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from prefixgate.tools import (
     MAX_TOOL_CALLS,
@@ -107,6 +114,23 @@ class _SamplingFields(BaseModel):
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
     ignore_eos: bool = False
+    # vLLM's: each prompt token's log probability and its k likeliest alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the engine scores the prompt's tokens: it then computes the whole
+        prompt, whatever its cache holds (vLLM skips its cache lookup; so does the
+        replica), so no replica starts it sooner for holding its prefix."""
+        return self.prompt_logprobs is not None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_whole(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """As vLLM: a stream has no place for them (0 asks for none, so it passes)."""
+        if value and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -187,12 +211,17 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return value
+
     @property
-    def wants_logprobs(self) -> str | None:
-        """The field asking for log probabilities, if any does."""
-        if self.logprobs:
-            return "logprobs"
-        return "top_logprobs" if self.top_logprobs else None
+    def logprobs_count(self) -> int | None:
+        """Alternatives per generated token's log probability; None: no log probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -230,9 +259,20 @@ class CompletionRequest(_SamplingFields):
         return len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1
 
     @property
-    def wants_logprobs(self) -> str | None:
-        """The field asking for log probabilities, if any does."""
-        return "logprobs" if self.logprobs is not None else None
+    def logprobs_count(self) -> int | None:
+        """Alternatives per generated token's log probability; None: no log probabilities."""
+        return self.logprobs
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs_count is not None
+
+    @property
+    def prompt_logprobs_count(self) -> int | None:
+        """vLLM's rule: ``echo`` with ``logprobs`` scores the echoed prompt too."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -251,7 +291,7 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     first = exc.errors()[0]
     loc = [str(part) for part in first.get("loc", ())]
     param = ".".join(loc) if loc else None
-    message = first.get("msg", "invalid request")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
     if param:
         message = f"{param}: {message}"
     return OpenAIError(message, param=param, code="invalid_value")

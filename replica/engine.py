@@ -166,6 +166,12 @@ class Engine:
         request_id: str | None = None,
     ) -> RequestHandle:
         params.validate()
+        wants_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+        if wants_logprobs and not self.backend.has_logits:
+            raise ValueError(
+                "log probabilities are not available: this replica's engine computes no "
+                "logits (the simulated engine); leave logprobs out"
+            )
         self._check_prompt(len(prompt_token_ids))
         vocab = self._vocab_size  # once: the config's attribute lookup is slow
         if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab:
@@ -181,6 +187,8 @@ class Engine:
             stop_token_ids=frozenset(stop_ids),
             sink=handle,
             submitted_at=time.monotonic(),
+            # The first prompt token has no log probability: nothing precedes it.
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         with self._lock:
             if self.error is not None:

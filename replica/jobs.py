@@ -42,7 +42,8 @@ class Job:
     salt: str
     stream: bool
     include_usage: bool
-    echo_prefix: str = ""  # completions with echo=true: the prompt text goes first
+    echo: bool = False  # a completion that answers with its prompt first
+    echo_prefix: str = ""  # its prompt's text
     parse_tools: bool = False  # tool choice auto with a parser: tool calls from the text
     single_tool_call: bool = False  # parallel_tool_calls false: the first call only
     part: int | None = None  # a batch's prompt number: its own engine request, one answer
@@ -253,6 +254,7 @@ def _completion_job(
         salt=req.cache_salt or "",
         stream=req.stream,
         include_usage=req.include_usage,
+        echo=req.echo,
         echo_prefix=prompt_text if req.echo else "",
     )
 
@@ -280,13 +282,6 @@ def _sampling(
     replica: Replica,
     prompt_param: str,
 ) -> SamplingParams:
-    refused = req.wants_logprobs
-    if refused is not None:
-        raise OpenAIError(
-            f"{refused} is not supported by this replica; leave it out (or false/null)",
-            param=refused,
-            code="unsupported_value",
-        )
     vocab = _vocab_size(replica)
     logit_bias = req.logit_bias_ids
     check_in_vocab(list(logit_bias), vocab, "logit_bias")
@@ -322,6 +317,10 @@ def _sampling(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias,
+        logprobs=req.logprobs_count,
+        prompt_logprobs=(
+            req.prompt_logprobs_count if isinstance(req, CompletionRequest) else req.prompt_logprobs
+        ),
     )
 
 

@@ -25,6 +25,8 @@ class Choice:
     text: str
     finish_reason: str | None
     stop_reason: str | int | None = None  # the stop string or stop token id, as vLLM's
+    logprobs: dict[str, Any] | None = None  # built by replica.logprobs_format
+    prompt_logprobs: list[Any] | None = None  # a completion choice's, vLLM's raw shape
 
 
 class Usage(NamedTuple):
@@ -46,9 +48,14 @@ def now() -> int:
 
 
 def chat_completion(
-    id_: str, model: str, created: int, choices: Sequence[Choice], use: Usage
+    id_: str,
+    model: str,
+    created: int,
+    choices: Sequence[Choice],
+    use: Usage,
+    prompt_logprobs: list[Any] | None = None,
 ) -> dict[str, Any]:
-    return {
+    body = {
         "id": id_,
         "object": "chat.completion",
         "created": created,
@@ -57,7 +64,7 @@ def chat_completion(
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
@@ -65,6 +72,9 @@ def chat_completion(
         ],
         "usage": use.as_dict(),
     }
+    if prompt_logprobs is not None:  # vLLM's, beside the choices
+        body["prompt_logprobs"] = prompt_logprobs
+    return body
 
 
 def chat_chunk(
@@ -77,6 +87,7 @@ def chat_chunk(
     role: str | None = None,
     finish_reason: str | None = None,
     stop_reason: str | int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     if role is not None:
@@ -92,7 +103,7 @@ def chat_chunk(
             {
                 "index": index,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
             }
@@ -108,18 +119,22 @@ def text_completion(
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in choices
-        ],
+        "choices": [_text_choice(c) for c in choices],
         "usage": use.as_dict(),
     }
+
+
+def _text_choice(c: Choice) -> dict[str, Any]:
+    choice = {
+        "index": c.index,
+        "text": c.text,
+        "logprobs": c.logprobs,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+    if c.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = c.prompt_logprobs
+    return choice
 
 
 def text_chunk(
@@ -130,6 +145,7 @@ def text_chunk(
     text: str,
     finish_reason: str | None,
     stop_reason: str | int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": id_,
@@ -140,7 +156,7 @@ def text_chunk(
             {
                 "index": index,
                 "text": text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
             }

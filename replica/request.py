@@ -58,6 +58,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Log probabilities, as vLLM reports them (of the model's raw logits, before any of
+    # the above): None for none; k for each token's own and its k likeliest alternatives.
+    logprobs: int | None = None  # of each generated token
+    prompt_logprobs: int | None = None  # of each prompt token (a prompt computed whole)
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +102,25 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's log probability, its rank at its position (1: the likeliest; ties share
+    the lower rank, as vLLM counts), and the ``top`` likeliest tokens there ((id, log
+    probability), likeliest first; as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -110,6 +133,10 @@ class Delta:
     finish_reason: str | None
     # On the last: the stop string or requested stop token id that ended the choice.
     stop_reason: str | int | None = None
+    # One per token of ``token_ids`` when the request asked for log probabilities.
+    logprobs: list[TokenLogprob] | None = None
+    # On a choice's first delta, when asked for: the prompt's (see ``RequestOutput``).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -130,6 +157,7 @@ class ChoiceOutput:
     text: str
     finish_reason: str
     stop_reason: str | int | None = None  # the stop string or stop token id, as vLLM's
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
 @dataclass(slots=True)
@@ -143,6 +171,8 @@ class RequestOutput:
     choices: list[ChoiceOutput]
     timings: Timings
     error: str | None = None
+    # One per prompt token when asked for: the first None (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -179,6 +209,15 @@ class RequestState:
     first_token_at: float | None = None
     finished_at: float | None = None
     error: str | None = None  # why the engine failed this request, if it did
+    # Filled position by position as the prompt is computed, when asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for and not all computed yet: the prompt must be computed, not matched
+        in the cache (its logits exist only where it is computed; vLLM does the same)."""
+        table = self.prompt_logprobs
+        return table is not None and len(table) < len(self.prompt_token_ids)
 
     @property
     def done(self) -> bool:
@@ -204,6 +243,7 @@ class RequestState:
                 s.text,
                 s.finish_reason or "abort",
                 s.stop_reason,
+                s.logprobs,
             )
             for s in self.sequences
         ]
@@ -214,6 +254,7 @@ class RequestState:
             choices,
             timings,
             self.error,
+            self.prompt_logprobs,
         )
 
 
@@ -238,6 +279,7 @@ class SequenceState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # what stopped it: a stop string or stop token id
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
 
     @property
     def num_prompt(self) -> int:
@@ -251,9 +293,16 @@ class SequenceState:
     def num_to_compute(self) -> int:
         return len(self.token_ids) - self.num_computed
 
-    def append_token(self, token_id: int, max_len: int) -> Delta:
-        """Record a sampled token; decide whether the choice ends; return its delta."""
+    def append_token(
+        self, token_id: int, max_len: int, logprob: TokenLogprob | None = None
+    ) -> Delta:
+        """Record a sampled token (and its log probability, when asked for); decide
+        whether the choice ends; return its delta."""
         self.token_ids.append(token_id)
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
         params = self.request.params
         finish: str | None = None
         stop_id: int | None = None
@@ -277,7 +326,14 @@ class SequenceState:
         self.text += text
         self.finish_reason = finish
         self.stop_reason = self.stop_matcher.matched if stop_id is None else stop_id
-        return Delta(self.index, [token_id], text, finish, self.stop_reason)
+        return Delta(
+            self.index,
+            [token_id],
+            text,
+            finish,
+            self.stop_reason,
+            None if logprob is None else [logprob],
+        )
 
     def _drain(self) -> str:
         tail = self.stop_matcher.feed(self.detokenizer.flush())

@@ -19,10 +19,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from prefixgate.wire import OpenAIError
+from replica import logprobs_format as lf
 from replica import openai_format as fmt
 from replica.handle import RequestHandle
 from replica.jobs import Job, JobClock
-from replica.request import EngineStopped, PromptTooLong, QueueFull, RequestOutput
+from replica.request import (
+    Delta,
+    EngineStopped,
+    PromptTooLong,
+    QueueFull,
+    RequestOutput,
+    TokenLogprob,
+)
 from replica.state import Replica
 from replica.tool_output import ToolCallChunks, parsed_message
 
@@ -69,7 +77,7 @@ async def run_job(job: Job, request: Request, replica: Replica) -> Response:
     output = await collect_whole(job, handle, clock, request, replica)
     if output is None:
         return Response(status_code=499)
-    return JSONResponse(_full_body(job, output))
+    return JSONResponse(_full_body(job, output, replica))
 
 
 async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Response:
@@ -123,11 +131,7 @@ async def run_batch(jobs: list[Job], request: Request, replica: Replica) -> Resp
     choices = []
     for job, output, job_clock in zip(jobs, outputs, clocks, strict=True):
         _observe(job, output, job_clock, replica)
-        base = (job.part or 0) * job.params.n
-        choices += [
-            fmt.Choice(base + c.index, job.echo_prefix + c.text, c.finish_reason, c.stop_reason)
-            for c in output.choices
-        ]
+        choices += _choices(job, output, replica, (job.part or 0) * job.params.n)
     use = fmt.Usage(
         sum(o.prompt_tokens for o in outputs),
         sum(o.completion_tokens for o in outputs),
@@ -268,14 +272,48 @@ def _output(handle: RequestHandle) -> RequestOutput:
     return output
 
 
-def _full_body(job: Job, output: RequestOutput) -> dict[str, Any]:
-    choices = [
-        fmt.Choice(c.index, job.echo_prefix + c.text, c.finish_reason, c.stop_reason)
-        for c in output.choices
-    ]
+def _decoder(replica: Replica) -> lf.Decode:
+    """One token id's text, as vLLM reports a log probability's token: special tokens
+    included."""
+    tokenizer = replica.loaded.tokenizer
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _choices(job: Job, output: RequestOutput, replica: Replica, base: int = 0) -> list[fmt.Choice]:
+    """A finished request's choices (indexes from ``base``), with their log
+    probabilities when asked for: a completion's echo scores its prompt first."""
+    k = job.params.logprobs
+    prompt = output.prompt_logprobs
+    decode = _decoder(replica)
+    choices = []
+    for c in output.choices:
+        logprobs = None
+        if k is not None and job.chat:
+            logprobs = lf.chat_logprobs(c.logprobs or [], k, decode)
+        elif k is not None:
+            ids = c.token_ids
+            lps: list[TokenLogprob | None] = list(c.logprobs or [])
+            if job.echo:
+                ids = job.prompt_ids + ids
+                lps = [*(prompt or [None] * len(job.prompt_ids)), *lps]
+            logprobs = lf.completion_logprobs(ids, lps, k, decode)
+        raw = None if job.chat or prompt is None else lf.raw_prompt_logprobs(prompt, decode)
+        text = job.echo_prefix + c.text
+        choices.append(
+            fmt.Choice(base + c.index, text, c.finish_reason, c.stop_reason, logprobs, raw)
+        )
+    return choices
+
+
+def _full_body(job: Job, output: RequestOutput, replica: Replica) -> dict[str, Any]:
+    choices = _choices(job, output, replica)
     use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
-    build = fmt.chat_completion if job.chat else fmt.text_completion
-    body = build(job.response_id, job.model, job.created, choices, use)
+    if job.chat:
+        prompt = output.prompt_logprobs
+        raw = None if prompt is None else lf.raw_prompt_logprobs(prompt, _decoder(replica))
+        body = fmt.chat_completion(job.response_id, job.model, job.created, choices, use, raw)
+    else:
+        body = fmt.text_completion(job.response_id, job.model, job.created, choices, use)
     if job.parse_tools:
         for choice, out in zip(body["choices"], output.choices, strict=True):
             choice["message"], choice["finish_reason"] = parsed_message(
@@ -301,6 +339,10 @@ async def _stream(
         if job.parse_tools
         else None
     )
+    scores = _StreamedLogprobs(job, replica) if job.params.logprobs is not None else None
+    # An echo that reports log probabilities goes out with the first tokens, as vLLM's:
+    # the prompt's are known only once it is computed.
+    echo_later = job.echo and scores is not None
     try:
         for index in range(index_base, index_base + job.params.n):
             if job.chat:
@@ -309,7 +351,7 @@ async def _stream(
                         job.response_id, job.model, job.created, index, role="assistant", content=""
                     )
                 )
-            elif job.echo_prefix:
+            elif job.echo and not echo_later:
                 yield fmt.sse(
                     fmt.text_chunk(
                         job.response_id, job.model, job.created, index, job.echo_prefix, None
@@ -317,11 +359,16 @@ async def _stream(
                 )
         async for delta in handle:
             clock.tick(len(delta.token_ids), replica.metrics)
-            if not delta.text and delta.finish_reason is None:
-                continue
             index = index_base + delta.index
+            echo = echo_later and delta.prompt_logprobs is not None
+            if scores is not None:
+                scores.add(index, delta)
+            if not delta.text and delta.finish_reason is None and not echo:
+                continue  # held back (a stop string may be starting): its scores wait too
             if tools is not None:
                 for tool_chunk in tools.chunks(index, delta.text, delta.finish_reason):
+                    if scores is not None:
+                        tool_chunk["choices"][0]["logprobs"] = scores.take(index)
                     yield fmt.sse(tool_chunk)
                 continue
             if job.chat:
@@ -333,6 +380,7 @@ async def _stream(
                     content=delta.text or None,
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
+                    logprobs=None if scores is None else scores.take(index),
                 )
             else:
                 chunk = fmt.text_chunk(
@@ -340,9 +388,10 @@ async def _stream(
                     job.model,
                     job.created,
                     index,
-                    delta.text,
+                    job.echo_prefix + delta.text if echo else delta.text,
                     delta.finish_reason,
                     delta.stop_reason,
+                    None if scores is None else scores.take(index),
                 )
             yield fmt.sse(chunk)
         output = _output(handle)
@@ -367,6 +416,36 @@ async def _stream(
         if not finished:
             # Client gone (the generator is cancelled or closed): free the blocks at once.
             replica.engine.cancel(job.engine_request_id)
+
+
+class _StreamedLogprobs:
+    """A stream's log probabilities per choice: each chunk carries those of the tokens
+    since the last chunk of its choice (tokens whose text is held back wait for it), a
+    completion's with text offsets running on from its last chunk."""
+
+    def __init__(self, job: Job, replica: Replica) -> None:
+        self.job = job
+        self.decode = _decoder(replica)
+        self.k = job.params.logprobs or 0
+        self.pending: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
+        self.offsets: dict[int, int] = {}
+
+    def add(self, index: int, delta: Delta) -> None:
+        ids, lps = self.pending.setdefault(index, ([], []))
+        if self.job.echo and delta.prompt_logprobs is not None:
+            ids += self.job.prompt_ids
+            lps += delta.prompt_logprobs
+        ids += [lp.token_id for lp in delta.logprobs or ()]
+        lps += delta.logprobs or []
+
+    def take(self, index: int) -> dict[str, Any]:
+        ids, lps = self.pending.pop(index, ([], []))
+        if self.job.chat:
+            return lf.chat_logprobs([lp for lp in lps if lp is not None], self.k, self.decode)
+        offset = self.offsets.get(index, 0)
+        logprobs = lf.completion_logprobs(ids, lps, self.k, self.decode, offset)
+        self.offsets[index] = lf.next_offset(logprobs, offset)
+        return logprobs
 
 
 def _observe(job: Job, output: RequestOutput, clock: JobClock, replica: Replica) -> None:

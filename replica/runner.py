@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
-from replica.request import SamplingParams
+from replica.request import SamplingParams, TokenLogprob
 
 # The built-in backend's forward: (input_ids [T], PagedBatch, rows [K]) -> logits [K, V].
 # Typed loosely here so that naming it costs no torch import.
@@ -70,6 +70,12 @@ class StepRunner(Protocol):
         ``num_prompt`` the prompt), from its output ``row``."""
         ...
 
+    def logprobs(self, rows: Sequence[Any], token_ids: Sequence[int], k: int) -> list[TokenLogprob]:
+        """The log probability of ``token_ids[i]`` at output ``rows[i]`` (of the raw
+        logits, as vLLM reports them) and the ``k`` likeliest tokens there. Raises
+        ``NotImplementedError`` when the backend has no logits (the simulated engine)."""
+        ...
+
 
 class EngineBackend(Protocol):
     """What the engine builds its scheduler from and runs its thread inside."""
@@ -86,6 +92,11 @@ class EngineBackend(Protocol):
 
     @property
     def runner(self) -> StepRunner | None: ...
+    @property
+    def has_logits(self) -> bool:
+        """Whether its steps make logits, so that it can report log probabilities."""
+        ...
+
     def thread_context(self) -> AbstractContextManager[Any]:
         """Entered once by the engine thread around its loop (torch: inference mode)."""
         ...

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from replica.request import SamplingParams
+from replica.request import SamplingParams, TokenLogprob
 
 SEED_MASK = 2**64 - 1  # torch generators take 64-bit seeds; choice seeds wrap around
 
@@ -99,3 +99,30 @@ def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted[0] = False
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return scores.masked_fill(drop, float("-inf"))
+
+
+def token_logprobs(
+    rows: Sequence[torch.Tensor], token_ids: Sequence[int], k: int
+) -> list[TokenLogprob]:
+    """``token_ids[i]``'s log probability under ``rows[i]`` ([V] logits each) and the
+    ``k`` likeliest tokens there. Of the raw logits, in float32: what vLLM reports by
+    default (``--logprobs-mode raw_logprobs``), whatever the sampling parameters."""
+    if not token_ids:
+        return []
+    logits = torch.stack([r.detach().to(device="cpu", dtype=torch.float32) for r in rows])
+    logp = torch.log_softmax(logits, dim=-1)  # [N, V]
+    chosen_t = logp.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])  # [N, 1]
+    ranks = (logp >= chosen_t).sum(dim=-1).tolist()  # vLLM's: itself and every tie above
+    chosen = chosen_t[:, 0].tolist()
+    if k > 0:
+        top_values, top_ids = torch.topk(logp, min(k, logp.shape[1]), dim=-1)
+        tops = [
+            tuple(zip(ids, values, strict=True))
+            for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)
+        ]
+    else:
+        tops = [() for _ in token_ids]
+    return [
+        TokenLogprob(token, value, rank, top)
+        for token, value, rank, top in zip(token_ids, chosen, ranks, tops, strict=True)
+    ]

@@ -281,18 +281,35 @@ class Scheduler:
         input_ids: list[int] = []
         rows: list[int] = []
         sampling: list[SequenceState] = []
+        # Prompt positions whose logits give the next prompt token's log probability:
+        # (sequence, first position, how many), their rows after the sampling rows.
+        scoring: list[tuple[SequenceState, int, int]] = []
+        scored_rows: list[int] = []
         for seq, sl in zip(scheduled, slices, strict=True):
+            offset = len(input_ids)
             input_ids += seq.token_ids[sl.start : sl.start + sl.num_new]
             if sl.start + sl.num_new == len(seq.token_ids):
                 rows.append(len(input_ids) - 1)
                 sampling.append(seq)
+            if seq.request.wants_prompt_logprobs:
+                count = min(sl.start + sl.num_new, seq.num_prompt - 1) - sl.start
+                if count > 0:
+                    scoring.append((seq, sl.start, count))
+                    scored_rows += range(offset, offset + count)
         try:
-            logits = self.runner.run(slices, input_ids, rows)  # one item per row
+            logits = self.runner.run(slices, input_ids, rows + scored_rows)  # an item per row
         except Exception as exc:
             log.error("a step of %d sequences failed", len(scheduled), exc_info=exc)
             for request in {id(s.request): s.request for s in scheduled}.values():
                 self.fail(request, exc, "running the model", traceback=False)
             return
+        at = len(rows)
+        for seq, start, count in scoring:
+            try:
+                self._score_prompt(seq, start, [logits[at + i] for i in range(count)])
+            except Exception as exc:
+                self.fail(seq.request, exc, "computing prompt log probabilities")
+            at += count
         now = self.clock()
         for seq in scheduled:
             was_prefilling = seq.num_computed < seq.num_prompt
@@ -320,11 +337,32 @@ class Scheduler:
             targets += self._fork(seq)
         if request.first_token_at is None:
             request.first_token_at = now
+        k = request.params.logprobs
         for target in targets:
             token = self.runner.sample(
                 logits, request.params, target.generator, target.token_ids, target.num_prompt
             )
-            self._emit(target, target.append_token(token, self.max_context))
+            logprob = None if k is None else self.runner.logprobs([logits], [token], k)[0]
+            delta = target.append_token(token, self.max_context, logprob)
+            if request.prompt_logprobs is not None and len(target.output_token_ids) == 1:
+                delta.prompt_logprobs = list(request.prompt_logprobs)  # an echo streams them
+            self._emit(target, delta)
+
+    def _score_prompt(self, seq: SequenceState, start: int, rows: list[Any]) -> None:
+        """Record the log probabilities of prompt tokens ``start+1 .. start+len(rows)``
+        from the logits of the positions before them (a recomputed prompt overwrites)."""
+        request = seq.request
+        k = request.params.prompt_logprobs
+        assert k is not None
+        targets = seq.token_ids[start + 1 : start + 1 + len(rows)]
+        scored = self.runner.logprobs(rows, targets, k)
+        table = request.prompt_logprobs
+        assert table is not None, "the engine starts it when the request asks for it"
+        for position, logprob in enumerate(scored, start + 1):
+            if position < len(table):
+                table[position] = logprob
+            else:
+                table.append(logprob)
 
     # ------------------------------------------------------------------------- blocks
 
@@ -337,8 +375,13 @@ class Scheduler:
         need_total = math.ceil(len(seq.token_ids) / bs)
         # Counted in the cache's statistics only when admitted (below): a prompt that
         # waits is looked up again every step.
-        hit = looked = self.cache.match(seq.token_ids, request.salt, record=False)
-        if self._prefilling_more_of(seq, hit.cached_tokens // bs):
+        if request.wants_prompt_logprobs:
+            hit = looked = PrefixMatch([], 0)  # scored positions need their own logits
+        else:
+            hit = looked = self.cache.match(seq.token_ids, request.salt, record=False)
+        if not request.wants_prompt_logprobs and self._prefilling_more_of(
+            seq, hit.cached_tokens // bs
+        ):
             self.cache.release(hit.block_ids)
             return False
         if hit.host_tokens:  # copy the host tier's blocks in before the prefill

@@ -18,9 +18,9 @@ import torch
 from replica.attention import PagedBatch, build_paged_batch, use_paged_attention
 from replica.host_pool import HostPool
 from replica.pool import BlockPool, PoolShape
-from replica.request import SamplingParams
+from replica.request import SamplingParams, TokenLogprob
 from replica.runner import ForwardFn, SeqSlice
-from replica.sampling import make_generator, sample_token
+from replica.sampling import make_generator, sample_token, token_logprobs
 
 if TYPE_CHECKING:
     from replica.config import EngineConfig
@@ -60,6 +60,11 @@ class TorchStep:
     ) -> int:
         return sample_token(row, params, generator, token_ids, num_prompt)
 
+    def logprobs(
+        self, rows: Sequence[torch.Tensor], token_ids: Sequence[int], k: int
+    ) -> list[TokenLogprob]:
+        return token_logprobs(rows, token_ids, k)
+
 
 class TorchModel(Protocol):
     """What the backend needs of ``replica.models.LoadedModel``."""
@@ -82,6 +87,7 @@ class TorchBackend:
     """The engine's backend for a loaded transformers model."""
 
     runner = None  # the scheduler runs its TorchStep over ``forward``
+    has_logits = True
 
     def __init__(self, model: TorchModel, config: EngineConfig) -> None:
         self.model = model

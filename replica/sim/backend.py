@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from prefixgate.tokenizer import ChatTokenizer
 
 MASK64 = (1 << 64) - 1
+NO_LOGITS = "the simulated engine computes no logits, so it has no log probabilities"
 
 
 def _mix(x: int) -> int:
@@ -97,6 +98,7 @@ class SimBackend:
     stats: SimStats = field(default_factory=SimStats)
 
     forward = None  # the whole step is ``run``
+    has_logits = False  # requests for log probabilities are refused (``NO_LOGITS``)
 
     @property
     def runner(self) -> SimBackend:
@@ -132,6 +134,9 @@ class SimBackend:
         for token in token_ids[-3:]:
             h = _mix(h ^ token)
         return self.vocabulary[h % len(self.vocabulary)]
+
+    def logprobs(self, rows: Sequence[Any], token_ids: Sequence[int], k: int) -> list[Any]:
+        raise NotImplementedError(NO_LOGITS)
 
 
 def sim_backend(

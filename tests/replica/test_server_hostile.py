@@ -122,25 +122,6 @@ def test_sampling_field_out_of_range_is_a_400(
     _still_serving(replica)
 
 
-def test_logprobs_are_refused_clearly(replica: ReplicaProcess) -> None:
-    for extra in ({"logprobs": True}, {"logprobs": True, "top_logprobs": 2}):
-        error = _bad_request(
-            replica, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **extra}
-        )
-        assert (
-            error["param"] in ("logprobs", "top_logprobs") and "not supported" in error["message"]
-        )
-    error = _bad_request(
-        replica, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}
-    )
-    assert error["param"] == "logprobs" and "not supported" in error["message"]
-    # Neutral values are accepted.
-    replica.client(timeout=30).chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=2, logprobs=False, presence_penalty=0
-    )
-    _still_serving(replica)
-
-
 @pytest.mark.parametrize("prompt", [[1, 2**32], [1, -1], [[5, 2**40]], [1, 10**30]])
 def test_completion_token_ids_outside_the_vocabulary_are_a_400(
     replica: ReplicaProcess, prompt: list[Any]

@@ -74,6 +74,9 @@ def test_a_sim_replica_serves_caches_publishes_and_never_imports_torch(
         assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
         assert second.prompt_tokens_details is not None
         assert (second.prompt_tokens_details.cached_tokens or 0) >= 16  # whole prompt blocks
+        # It has no logits: log probabilities are a 400 saying so, not made up.
+        with pytest.raises(openai.BadRequestError, match="computes no logits"):
+            client.completions.create(model="sim", prompt="Hi", max_tokens=2, logprobs=1)
         stats = httpx.get(url + "/cache/stats", timeout=10).json()
         assert stats["total_blocks"] == 128  # 256 MiB in the profile's 2 MiB blocks
         assert redis.Redis.from_url(redis_server.url).keys("*"), "nothing published to Redis"
