@@ -195,7 +195,9 @@ async def _serve(
     )
     conversation = state.auth.scoped_conversation(tenant, conversation_key(body, headers))
     request = Forward(
-        keys=prompt.keys,
+        # A prompt the engine scores is computed whole wherever it goes: routed, and
+        # priced, with nothing cached (and its answer's time teaches the fit so).
+        keys=[] if parsed.scores_prompt else prompt.keys,
         prompt_tokens=prompt.prompt_tokens,
         conversation=conversation,
         model=route_model,

@@ -58,3 +58,29 @@ def test_a_batch_with_an_empty_or_out_of_range_prompt_is_a_400(
         )
         assert answer.status_code == 400, prompt
         assert answer.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    "scoring",
+    [{"echo": True, "logprobs": 1}, {"prompt_logprobs": 0}],
+    ids=["echo-logprobs", "prompt-logprobs"],
+)
+def test_a_batch_that_scores_its_prompts_is_routed_as_computed_whole(
+    cluster: StubCluster, scoring: dict[str, object]
+) -> None:
+    """lm-evaluation-harness's loglikelihood requests ask for the prompt's log
+    probabilities, for which vLLM computes the whole prompt whatever its cache holds. So
+    the gateway prices them with nothing cached: no prefix match, however warm the
+    prefix is; the same batch without them goes by its prefix. Passed on as sent."""
+    client = openai.OpenAI(base_url=cluster.gateway.url + "/v1", api_key="x", max_retries=0)
+    texts = [f"{SHOTS}Question: scored-{i}?\nAnswer:" for i in range(4)]
+    for _ in range(2):
+        plain = client.completions.with_raw_response.create(model=MODEL, prompt=texts, max_tokens=1)
+    assert plain.headers["x-prefixgate-route"].startswith("prefix_match")
+    scored = client.completions.with_raw_response.create(
+        model=MODEL, prompt=texts, max_tokens=1, extra_body=scoring
+    )
+    route = scored.headers["x-prefixgate-route"]
+    assert route.startswith("no_match") and "matched=0/0" in route, route
+    sent = [r["body"] for r in cluster.received("/v1/completions")]
+    assert sum(all(b.get(k) == v for k, v in scoring.items()) for b in sent) == 1
