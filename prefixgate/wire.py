@@ -116,6 +116,12 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     # vLLM's: each prompt token's log probability and its k likeliest alternatives.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's sampling extras (replica.request.SamplingParams says what each does).
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def scores_prompt(self) -> bool:

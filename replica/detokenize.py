@@ -26,15 +26,19 @@ class TokenDecoder(Protocol):
 @dataclass(slots=True)
 class IncrementalDetokenizer:
     decoder: TokenDecoder
+    skip_special_tokens: bool = True
     token_ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0  # window start: decoded for context, already emitted
     read_offset: int = 0  # tokens before this are emitted
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.decoder.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         self.token_ids.append(token_id)
-        prefix_text = self.decoder.decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self.decoder.decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
         self.prefix_offset = self.read_offset
@@ -43,8 +47,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of the output: whatever is still held back (even a broken char)."""
-        prefix_text = self.decoder.decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self.decoder.decode(self.token_ids[self.prefix_offset :])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
 
@@ -57,12 +61,15 @@ class StopCheck(NamedTuple):
 @dataclass(slots=True)
 class StopStringMatcher:
     stops: Sequence[str]
+    include_stop: bool = False  # the stop string stays in the text (vLLM's option)
     held: str = ""  # text not yet emitted: it may be the start of a stop string
     matched: str | None = None  # the stop string that ended the output (vLLM's stop_reason)
 
-    def feed(self, text: str) -> StopCheck:
+    def feed(self, text: str, *, unchecked: bool = False) -> StopCheck:
+        """``text`` as it may be emitted; ``unchecked``: before ``min_tokens``, when no
+        stop string may end the output (what is held goes out too)."""
         pending = self.held + text
-        if not self.stops:
+        if not self.stops or unchecked:
             self.held = ""
             return StopCheck(pending, False)
         # Anything that could start a stop string was held back, so a stop string lies
@@ -71,7 +78,8 @@ class StopStringMatcher:
         if hits:
             self.held = ""
             at, self.matched = min(hits)
-            return StopCheck(pending[:at], True)
+            end = at + len(self.matched) if self.include_stop else at
+            return StopCheck(pending[:end], True)
         keep = self._longest_stop_prefix_suffix(pending)
         self.held = pending[len(pending) - keep :] if keep else ""
         return StopCheck(pending[: len(pending) - keep], False)

@@ -282,10 +282,12 @@ def _sampling(
     replica: Replica,
     prompt_param: str,
 ) -> SamplingParams:
+    _refuse_what_it_cannot_do(req)
     vocab = _vocab_size(replica)
     logit_bias = req.logit_bias_ids
     check_in_vocab(list(logit_bias), vocab, "logit_bias")
     check_in_vocab(req.stop_token_ids or [], vocab, "stop_token_ids")
+    check_in_vocab(req.allowed_token_ids or [], vocab, "allowed_token_ids")
     max_context = int(replica.loaded.max_context)
     if n_prompt >= max_context:
         raise OpenAIError(
@@ -317,11 +319,53 @@ def _sampling(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias,
+        min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens,
+        allowed_token_ids=req.allowed_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
         logprobs=req.logprobs_count,
         prompt_logprobs=(
             req.prompt_logprobs_count if isinstance(req, CompletionRequest) else req.prompt_logprobs
         ),
     )
+
+
+# vLLM's request fields this replica cannot honour, each with the value that asks for
+# nothing: any other value is a 400, never an answer that silently ignores it.
+_NOT_DONE: dict[str, object] = {
+    "structured_outputs": None,  # constrained decoding (JSON schema, regex, choice, grammar)
+    "use_beam_search": False,
+    "bad_words": [],
+    "logprob_token_ids": None,
+    "return_token_ids": False,
+    "return_tokens_as_token_ids": False,
+    "thinking_token_budget": None,
+    "truncate_prompt_tokens": None,
+    "chat_template": None,  # vLLM too refuses it, unless started to trust it
+    "echo": False,  # a chat's (a completion's echo is done)
+}
+
+
+def _refuse_what_it_cannot_do(req: ChatCompletionRequest | CompletionRequest) -> None:
+    extra = req.model_extra or {}  # (a completion's ``echo`` is a field: never here)
+    for name, neutral in _NOT_DONE.items():
+        value = extra.get(name)
+        if value is None or value == neutral:
+            continue
+        if name == "chat_template":
+            raise OpenAIError(
+                "Chat template is passed with request, but this replica uses its own (or "
+                "--chat-template); refused, as vLLM refuses it without "
+                "--trust-request-chat-template.",
+                param=name,
+            )
+        raise OpenAIError(
+            f"{name} is not supported by this replica; leave it out (it would be ignored, "
+            "and the answer would not be what was asked for)",
+            param=name,
+            code="unsupported_value",
+        )
 
 
 def check_in_vocab(token_ids: list[int], vocab: int, param: str) -> None:

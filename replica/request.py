@@ -62,10 +62,26 @@ class SamplingParams:
     # the above): None for none; k for each token's own and its k likeliest alternatives.
     logprobs: int | None = None  # of each generated token
     prompt_logprobs: int | None = None  # of each prompt token (a prompt computed whole)
+    # vLLM's extras. ``min_p``: drop tokens less likely than min_p x the likeliest's
+    # probability (after temperature, before top-k/top-p). ``min_tokens``: no stop token
+    # or stop string ends a choice before it has this many tokens. ``allowed_token_ids``:
+    # the only tokens that may be drawn. ``include_stop_str_in_output``: the stop string
+    # that ended a choice stays in its text. ``skip_special_tokens``: special tokens'
+    # text is left out of the answer.
+    min_p: float = 0.0
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def masks_logits(self) -> bool:
+        """Whether logits are changed before drawing (greedy then needs them too)."""
+        return bool(self.logit_bias or self.has_penalties or self.allowed_token_ids is not None)
 
     @property
     def has_penalties(self) -> bool:
@@ -102,6 +118,17 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}"
+            )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
@@ -306,12 +333,19 @@ class SequenceState:
         params = self.request.params
         finish: str | None = None
         stop_id: int | None = None
-        if token_id in self.request.stop_token_ids:
-            finish, text = "stop", self._drain()
+        produced = len(self.output_token_ids)
+        if token_id in self.request.stop_token_ids and produced >= params.min_tokens:
+            text = ""
+            if params.include_stop_str_in_output:  # the stop token's own text, as vLLM's
+                text = self.stop_matcher.feed(self.detokenizer.push(token_id), unchecked=True).text
+            finish, text = "stop", text + self._drain()
             # vLLM's stop_reason: the id when the request named it, None for end-of-text.
             stop_id = token_id if token_id in params.stop_token_ids else None
         else:
-            check = self.stop_matcher.feed(self.detokenizer.push(token_id))
+            # Stop strings are looked for in the text after the first min_tokens tokens.
+            check = self.stop_matcher.feed(
+                self.detokenizer.push(token_id), unchecked=produced <= params.min_tokens
+            )
             text = check.text
             if check.stopped:
                 finish = "stop"

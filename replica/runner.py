@@ -14,7 +14,7 @@ does, and only when it is chosen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, Protocol
 
@@ -65,9 +65,11 @@ class StepRunner(Protocol):
         generator: Any,
         token_ids: Sequence[int],
         num_prompt: int,
+        banned: Collection[int] = (),
     ) -> int:
         """The next token of a sequence whose tokens so far are ``token_ids`` (the first
-        ``num_prompt`` the prompt), from its output ``row``."""
+        ``num_prompt`` the prompt), from its output ``row``; never one of ``banned``
+        (stop tokens, before ``min_tokens``), unless nothing else may be drawn."""
         ...
 
     def logprobs(self, rows: Sequence[Any], token_ids: Sequence[int], k: int) -> list[TokenLogprob]:

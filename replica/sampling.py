@@ -7,7 +7,7 @@ tokens whatever else shares its batch, and a preempted sequence resumes the same
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -33,18 +33,24 @@ def sample_token(
     generator: torch.Generator | None,
     token_ids: Sequence[int] = (),
     num_prompt: int = 0,
+    banned: Collection[int] = (),
 ) -> int:
     """logits: [V] (any float dtype, any device); ``token_ids``: the sequence so far, its
-    first ``num_prompt`` the prompt (for penalties). Greedy under ``GREEDY_BELOW``."""
-    if params.greedy and not (params.logit_bias or params.has_penalties):
+    first ``num_prompt`` the prompt (for penalties); ``banned``: ids that may not be
+    drawn now. Greedy under ``GREEDY_BELOW``. The order is vLLM's: allowed ids, bans,
+    logit bias and penalties, then temperature, min-p, top-k, top-p."""
+    if params.greedy and not (params.masks_logits or banned):
         return int(torch.argmax(logits).item())
     # Sampling runs on CPU in float32: the generator is a CPU one, and reproducibility
     # must not depend on the device's reduction order.
     scores = logits.detach().to(device="cpu", dtype=torch.float32)
-    scores = _finite(adjust_logits(scores, params, token_ids, num_prompt))
+    scores = _finite(adjust_logits(scores, params, token_ids, num_prompt, banned))
     if params.greedy:
         return int(torch.argmax(scores).item())
     scores = scores / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(_finite(scores), dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     top_k = params.effective_top_k
     if top_k is not None and top_k < scores.shape[0]:
         kth = torch.topk(scores, top_k).values[-1]
@@ -65,10 +71,22 @@ def _finite(scores: torch.Tensor) -> torch.Tensor:
 
 
 def adjust_logits(
-    scores: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_prompt: int
+    scores: torch.Tensor,
+    params: SamplingParams,
+    token_ids: Sequence[int],
+    num_prompt: int,
+    banned: Collection[int] = (),
 ) -> torch.Tensor:
-    """scores: [V] float32 on CPU -> [V] with ``logit_bias`` and the penalties applied."""
+    """scores: [V] float32 on CPU -> [V] with every id but ``allowed_token_ids`` and the
+    ``banned`` ones masked, ``logit_bias`` and the penalties applied."""
     vocab = scores.shape[0]
+    if params.allowed_token_ids is not None:
+        allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
+        mask = torch.full_like(scores, float("-inf")).index_fill(0, allowed, 0.0)
+        scores = scores + mask
+    if banned:
+        ids = torch.tensor([t for t in banned if t < vocab], dtype=torch.long)
+        scores = scores.index_fill(0, ids, float("-inf"))
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         bias = torch.tensor(list(params.logit_bias.values()), dtype=scores.dtype)

@@ -102,8 +102,12 @@ class Scheduler:
                         request=request,
                         index=i,
                         token_ids=list(request.prompt_token_ids),
-                        detokenizer=IncrementalDetokenizer(decoder),
-                        stop_matcher=StopStringMatcher(request.params.stop),
+                        detokenizer=IncrementalDetokenizer(
+                            decoder, request.params.skip_special_tokens
+                        ),
+                        stop_matcher=StopStringMatcher(
+                            request.params.stop, request.params.include_stop_str_in_output
+                        ),
                         generator=self.runner.make_generator(request.params, i),
                     )
                 )
@@ -338,9 +342,16 @@ class Scheduler:
         if request.first_token_at is None:
             request.first_token_at = now
         k = request.params.logprobs
+        params = request.params
         for target in targets:
+            early = len(target.token_ids) - target.num_prompt < params.min_tokens
             token = self.runner.sample(
-                logits, request.params, target.generator, target.token_ids, target.num_prompt
+                logits,
+                params,
+                target.generator,
+                target.token_ids,
+                target.num_prompt,
+                banned=request.stop_token_ids if early else (),  # min_tokens not reached
             )
             logprob = None if k is None else self.runner.logprobs([logits], [token], k)[0]
             delta = target.append_token(token, self.max_context, logprob)

@@ -9,7 +9,7 @@ model's shape and the KV budget, the model switched to paged attention, its forw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -57,8 +57,9 @@ class TorchStep:
         generator: Any,
         token_ids: Sequence[int],
         num_prompt: int,
+        banned: Collection[int] = (),
     ) -> int:
-        return sample_token(row, params, generator, token_ids, num_prompt)
+        return sample_token(row, params, generator, token_ids, num_prompt, banned)
 
     def logprobs(
         self, rows: Sequence[torch.Tensor], token_ids: Sequence[int], k: int

@@ -12,15 +12,16 @@ detokenize to real text, stop strings work and usage counts are true, and a repl
 by ``max_tokens`` or a stop string, never by an end-of-sequence token. The next token is
 a hash of the choice's stream (its seed + index, or its index), the sequence length and
 its last three tokens: the same prompt gives the same reply on every replica and every
-run, whatever shares its batch. Temperature, top-p/top-k, penalties and logit bias do
-not change what is drawn.
+run, whatever shares its batch. Temperature, top-p/top-k/min-p, penalties and logit bias
+do not change what is drawn; ``allowed_token_ids`` and ``min_tokens`` do (the draw is
+from the allowed ids, and a stop token banned before ``min_tokens`` is drawn again).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,11 +130,19 @@ class SimBackend:
         generator: Any,
         token_ids: Sequence[int],
         num_prompt: int,
+        banned: Collection[int] = (),
     ) -> int:
         h = _mix(int(generator) ^ len(token_ids))
         for token in token_ids[-3:]:
             h = _mix(h ^ token)
-        return self.vocabulary[h % len(self.vocabulary)]
+        allowed = params.allowed_token_ids or self.vocabulary
+        token = allowed[h % len(allowed)]
+        for _ in range(8):  # a banned stop token (min_tokens): the next draw of the hash
+            if token not in banned:
+                break
+            h = _mix(h)
+            token = allowed[h % len(allowed)]
+        return token
 
     def logprobs(self, rows: Sequence[Any], token_ids: Sequence[int], k: int) -> list[Any]:
         raise NotImplementedError(NO_LOGITS)

@@ -280,3 +280,37 @@ def test_smollm2_greedy_with_cached_prefix_equals_without() -> None:
             got = warm.generate(prompt, GREEDY)
         assert got.cached_tokens == cached_len
         assert got.choices[0].token_ids == expected.choices[0].token_ids
+
+
+def test_vllms_extras_min_tokens_include_stop_and_special_tokens(tiny: LoadedModel) -> None:
+    """``min_tokens`` holds off stop tokens (not drawn) and stop strings (not looked for)
+    until that many tokens; ``include_stop_str_in_output`` keeps the stop string;
+    ``skip_special_tokens`` false keeps special tokens' text."""
+    prompt = _prompt(5, 30)
+    base = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with running(tiny) as engine:
+        full = engine.generate(prompt, base).choices[0]
+        first = full.token_ids[0]
+        stopped = engine.generate(
+            prompt, SamplingParams(**{**_fields(base), "stop_token_ids": [first]})
+        )
+        held = engine.generate(
+            prompt, SamplingParams(**{**_fields(base), "stop_token_ids": [first], "min_tokens": 4})
+        )
+        stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+        kept = engine.generate(
+            prompt,
+            SamplingParams(**{**_fields(base), "stop": [stop], "include_stop_str_in_output": True}),
+        )
+        special = tiny.tokenizer.eos_token_ids
+        forced = {**_fields(base), "max_tokens": 2, "allowed_token_ids": sorted(special)[:1]}
+        skipped = engine.generate(prompt, SamplingParams(**forced))
+        shown = engine.generate(prompt, SamplingParams(**{**forced, "skip_special_tokens": False}))
+        _assert_idle_and_unpinned(engine)
+    assert stopped.choices[0].token_ids == [first]
+    out = held.choices[0]
+    assert len(out.token_ids) >= 4 and first not in out.token_ids[:4]
+    assert kept.choices[0].text == full.text[: full.text.index(stop) + len(stop)]
+    assert kept.choices[0].finish_reason == "stop"
+    assert skipped.choices[0].text == ""
+    assert shown.choices[0].text and shown.choices[0].token_ids == sorted(special)[:1] * 2

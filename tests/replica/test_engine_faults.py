@@ -172,10 +172,10 @@ POISONED_SAMPLING = f"""
 import replica.sampling as sampling
 real = sampling.adjust_logits
 
-def adjust_logits(scores, params, token_ids, num_prompt):
+def adjust_logits(scores, params, token_ids, num_prompt, banned=()):
     if token_ids and token_ids[0] == {POISON_TOKEN}:  # only requests that start with it
         raise RuntimeError("sampling failed (injected)")
-    return real(scores, params, token_ids, num_prompt)
+    return real(scores, params, token_ids, num_prompt, banned)
 
 sampling.adjust_logits = adjust_logits
 """

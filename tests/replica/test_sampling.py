@@ -132,3 +132,27 @@ def test_extreme_penalties_and_temperatures_still_draw_a_token(temperature: floa
     gen = make_generator(params, 0)
     token = sample_token(logits, params, gen, seen, len(seen))
     assert 0 <= token < logits.shape[0]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(min_p=0.5, seed=0)  # keeps p >= 0.25: tokens 0 and 1
+    gen = make_generator(params, 0)
+    assert {sample_token(logits, params, gen) for _ in range(300)} == {0, 1}
+    loose = SamplingParams(min_p=0.05, seed=0)
+    gen = make_generator(loose, 0)
+    assert {sample_token(logits, loose, gen) for _ in range(600)} == {0, 1, 2, 3}
+
+
+def test_allowed_ids_and_bans_mask_greedy_and_sampled_draws() -> None:
+    logits = _logits()
+    order = torch.argsort(logits, descending=True).tolist()
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=[order[3], order[7]])
+    assert sample_token(logits, allowed, None) == order[3]
+    assert sample_token(logits, allowed, None, banned={order[3]}) == order[7]
+    greedy = SamplingParams(temperature=0.0)
+    assert sample_token(logits, greedy, None, banned={order[0], order[1]}) == order[2]
+    sampled = SamplingParams(temperature=1.5, seed=4, allowed_token_ids=order[:6])
+    gen = make_generator(sampled, 0)
+    seen = {sample_token(logits, sampled, gen, banned={order[0]}) for _ in range(300)}
+    assert seen <= set(order[1:6]) and len(seen) > 1

@@ -122,6 +122,62 @@ def test_sampling_field_out_of_range_is_a_400(
     _still_serving(replica)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("structured_outputs", {"choice": ["yes", "no"]}),
+        ("use_beam_search", True),
+        ("bad_words", ["the"]),
+        ("return_token_ids", True),
+        ("truncate_prompt_tokens", 5),
+        ("chat_template", "{{ messages }}"),
+        ("echo", True),
+    ],
+)
+def test_vllm_fields_it_cannot_honour_are_a_400_not_ignored(
+    replica: ReplicaProcess, field: str, value: Any
+) -> None:
+    """vLLM honours these; this replica cannot, and answering as if it had (it used to:
+    a 200 with unconstrained text for ``structured_outputs``) is worse than saying so."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
+    error = _bad_request(replica, "/v1/chat/completions", body)
+    assert error["param"] == field, error
+    _still_serving(replica)
+
+
+def test_vllm_sampling_extras_are_checked_and_neutral_values_pass(replica: ReplicaProcess) -> None:
+    for extra, param in [
+        ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ]:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra}
+        assert _bad_request(replica, "/v1/chat/completions", body)["param"] == param
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "min_tokens": 3}
+    assert (
+        "min_tokens must be less than or equal"
+        in _bad_request(replica, "/v1/chat/completions", body)["message"]
+    )
+    neutral: dict[str, Any] = {
+        "structured_outputs": None,
+        "use_beam_search": False,
+        "bad_words": [],
+        "echo": False,
+        "min_p": 0.0,
+        "min_tokens": 0,
+        "skip_special_tokens": True,
+        "priority": 0,
+    }
+    answer = httpx.post(
+        replica.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": CHAT, "max_tokens": 2, **neutral},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    _still_serving(replica)
+
+
 @pytest.mark.parametrize("prompt", [[1, 2**32], [1, -1], [[5, 2**40]], [1, 10**30]])
 def test_completion_token_ids_outside_the_vocabulary_are_a_400(
     replica: ReplicaProcess, prompt: list[Any]

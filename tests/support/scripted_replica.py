@@ -37,7 +37,12 @@ def scripted(
     forced: dict[tuple[int, ...], list[int]] = {}
 
     def sample(
-        row: Any, params: Any, generator: Any, token_ids: Sequence[int], num_prompt: int
+        row: Any,
+        params: Any,
+        generator: Any,
+        token_ids: Sequence[int],
+        num_prompt: int,
+        banned: Any = (),
     ) -> int:
         prompt = tuple(token_ids[:num_prompt])
         tokens = forced.get(prompt)
