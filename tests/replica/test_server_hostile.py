@@ -146,12 +146,13 @@ def test_vllm_fields_it_cannot_honour_are_a_400_not_ignored(
 
 
 def test_vllm_sampling_extras_are_checked_and_neutral_values_pass(replica: ReplicaProcess) -> None:
-    for extra, param in [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_tokens": -1}, "min_tokens"),
-    ]:
+    ]
+    for extra, param in bad:
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra}
         assert _bad_request(replica, "/v1/chat/completions", body)["param"] == param
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "min_tokens": 3}
