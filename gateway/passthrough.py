@@ -22,7 +22,6 @@ from gateway.handler import (
     answer,
     forward_watched,
     open_exchange,
-    post_only,
     read_body,
     unknown_model,
 )
@@ -46,7 +45,12 @@ PASSTHROUGH_PATHS: dict[str, str] = {
     "/v1/rerank": "rerank",
     "/v2/rerank": "rerank",
     COUNT_TOKENS_PATH: "count_tokens",  # Anthropic's (gateway/messages.py)
+    "/tokenizer_info": "tokenizer_info",  # a GET: the one model's tokenizer configuration
 }
+# GETs: no body, so the model is the one the replicas serve (lm-evaluation-harness reads
+# ``/tokenizer_info`` to tokenize through the server, as vLLM offers with
+# ``--enable-tokenizer-info-endpoint``).
+GET_PATHS = frozenset({"/tokenizer_info"})
 
 
 async def serve_passthrough(
@@ -66,11 +70,18 @@ async def _serve(
     ex: Exchange,
 ) -> None:
     path = scope["path"]
-    post_only(scope)
+    method = "GET" if path in GET_PATHS else "POST"
+    if scope["method"] != method:
+        raise OpenAIError(
+            f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": method}
+        )
     read_x_api_key(headers)
     ex.tenant = state.auth.authenticate(headers.get("authorization")).name
-    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
-    model = load_json_object(raw).get("model")
+    if method == "GET":
+        raw, model = b"", None
+    else:
+        raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+        model = load_json_object(raw).get("model")
     if model is not None and not isinstance(model, str):
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")
     if model is None:
@@ -89,6 +100,7 @@ async def _serve(
         body=raw,
         headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
         stream=False,
+        method=method,
     )
     await forward_watched(state, ex, request, receive, send)
 

@@ -11,7 +11,11 @@ answers them the same way:
   no special tokens added, the template writes its own) and answers ``{"count",
   "max_model_len", "tokens", "token_strs"}`` (``token_strs`` with
   ``return_token_strs``);
-* ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``.
+* ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``;
+* ``GET /tokenizer_info`` answers the tokenizer's special tokens, the chat template in use
+  and the context length (vLLM answers its tokenizer's whole configuration, with
+  ``--enable-tokenizer-info-endpoint``): lm-evaluation-harness tokenizes through the
+  server when both this and ``/tokenize`` answer.
 
 ``model`` may be left out (one model per replica). A text whose head alone is longer than
 the model's context is refused (400), as for completions: encoding megabytes of text
@@ -85,7 +89,21 @@ def detokenize(body: object, replica: Replica) -> dict[str, Any]:
     return {"prompt": replica.loaded.tokenizer.decode(req.tokens)}
 
 
+def tokenizer_info(replica: Replica) -> dict[str, Any]:
+    tokenizer = replica.loaded.tokenizer
+    info: dict[str, Any] = dict(tokenizer.special_tokens)
+    template = tokenizer.chat_template  # the model's, or --chat-template's
+    if template is not None:
+        info["chat_template"] = template
+    info["model_max_length"] = int(replica.loaded.max_context)
+    return info
+
+
 def add_tokenize_routes(app: FastAPI, replica: Replica) -> None:
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict[str, Any]:
+        return tokenizer_info(replica)
+
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
         raw = await request.body()

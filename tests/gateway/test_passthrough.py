@@ -72,6 +72,25 @@ def test_tokenize_a_prompt_and_back(servers: Servers) -> None:
     assert bare.status_code == 200 and bare.json()["tokens"] == tokens["tokens"]
 
 
+def test_tokenizer_info_through_a_gateway_of_one_model(servers: Servers) -> None:
+    """lm-evaluation-harness tokenizes through the server when ``GET /tokenizer_info``
+    (with an ``eos_token``) and ``/tokenize`` answer; the gateway answered 404, so the
+    harness fell back to loading the tokenizer by the model's name. A gateway in front
+    of several models cannot tell whose: a 400."""
+    direct = httpx.get(servers.replica.url + "/tokenizer_info", timeout=30)
+    assert direct.status_code == 200 and direct.json()["eos_token"]
+    assert direct.json()["model_max_length"] > 0
+    through = httpx.get(servers.single.url + "/tokenizer_info", timeout=30)
+    assert through.status_code == 200 and through.json() == direct.json()
+    assert through.headers["x-prefixgate-replica"]
+    several = httpx.get(servers.gateway.url + "/tokenizer_info", timeout=30)
+    assert several.status_code == 400 and several.json()["error"]["code"] == "missing_model"
+    posted = httpx.post(servers.single.url + "/tokenizer_info", json={}, timeout=30)
+    assert posted.status_code == 405 and posted.headers["allow"] == "GET"
+    eos = servers.post("/tokenize", {"prompt": direct.json()["eos_token"]}, servers.single.url)
+    assert eos.status_code == 200 and len(eos.json()["tokens"]) == 1
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "code"),
     [
