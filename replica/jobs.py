@@ -331,26 +331,27 @@ def _sampling(
     )
 
 
-# vLLM's request fields this replica cannot honour: a value that asks for something (not
-# null, false, empty or 0) is a 400, never an answer that silently ignores it.
-_NOT_DONE = (
-    "structured_outputs",  # constrained decoding (JSON schema, regex, choice, grammar)
-    "use_beam_search",
-    "bad_words",
-    "logprob_token_ids",
-    "return_token_ids",
-    "return_tokens_as_token_ids",
-    "thinking_token_budget",
-    "truncate_prompt_tokens",
-    "chat_template",  # vLLM too refuses it, unless started to trust it
-    "echo",  # a chat's (a completion's echo is done)
-)
+# vLLM's request fields this replica cannot honour, each with the value that asks for
+# nothing: any other value is a 400, never an answer that silently ignores it.
+_NOT_DONE: dict[str, object] = {
+    "structured_outputs": None,  # constrained decoding (JSON schema, regex, choice, grammar)
+    "use_beam_search": False,
+    "bad_words": [],
+    "logprob_token_ids": None,
+    "return_token_ids": False,
+    "return_tokens_as_token_ids": False,
+    "thinking_token_budget": None,
+    "truncate_prompt_tokens": None,
+    "chat_template": None,  # vLLM too refuses it, unless started to trust it
+    "echo": False,  # a chat's (a completion's echo is done)
+}
 
 
 def _refuse_what_it_cannot_do(req: ChatCompletionRequest | CompletionRequest) -> None:
     extra = req.model_extra or {}  # (a completion's ``echo`` is a field: never here)
-    for name in _NOT_DONE:
-        if not extra.get(name):
+    for name, neutral in _NOT_DONE.items():
+        value = extra.get(name)
+        if value is None or value == neutral:
             continue
         if name == "chat_template":
             raise OpenAIError(
