@@ -16,6 +16,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from prefixgate.tools import (
@@ -32,7 +33,10 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
-MAX_TOP_LOGPROBS = 20
+# Log-probability counts: -1 asks for every token (vLLM's); how many an engine gives is
+# its own limit (vLLM's --max-logprobs, 20 by default; the built-in replica's 20), so
+# the gateway passes any count on.
+LOGPROBS_ALL = -1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds: what torch.Generator and vLLM accept
 TOKEN_ID_MAX = 2**32 - 1  # block keys encode token ids as uint32 (router.protocol)
 
@@ -115,7 +119,7 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     ignore_eos: bool = False
     # vLLM's: each prompt token's log probability and its k likeliest alternatives.
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=LOGPROBS_ALL)
     # vLLM's sampling extras (replica.request.SamplingParams says what each does).
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
@@ -206,7 +210,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=LOGPROBS_ALL)
     tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -237,7 +241,26 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=LOGPROBS_ALL)
+    # 0 with ``echo``: the prompt alone, scored (vLLM's, after OpenAI's legacy API).
+    max_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _no_tokens_only_for_an_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            # Not a ValueError: pydantic lets it through, so the error names its field.
+            raise OpenAIError(
+                "max_tokens must be at least 1, got 0 (0 only with echo: the prompt alone)",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt (one token is still
+        generated and counted, as vLLM counts it)."""
+        return self.echo and self.max_tokens == 0
 
     @field_validator("prompt")
     @classmethod
@@ -282,7 +305,7 @@ class CompletionRequest(_SamplingFields):
 
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only else self.max_tokens
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt as text or token ids (a batch's first)."""

@@ -23,7 +23,7 @@ from prefixgate.wire import (
 )
 from replica import openai_format as fmt
 from replica.metrics import ReplicaMetrics
-from replica.request import SamplingParams
+from replica.request import MAX_LOGPROBS, SamplingParams
 from replica.state import Replica
 
 log = logging.getLogger("prefixgate.replica")
@@ -44,6 +44,7 @@ class Job:
     include_usage: bool
     echo: bool = False  # a completion that answers with its prompt first
     echo_prefix: str = ""  # its prompt's text
+    echo_only: bool = False  # ``max_tokens`` 0: the prompt alone (one token is generated)
     parse_tools: bool = False  # tool choice auto with a parser: tool calls from the text
     single_tool_call: bool = False  # parallel_tool_calls false: the first call only
     part: int | None = None  # a batch's prompt number: its own engine request, one answer
@@ -256,6 +257,7 @@ def _completion_job(
         include_usage=req.include_usage,
         echo=req.echo,
         echo_prefix=prompt_text if req.echo else "",
+        echo_only=req.echo_only,
     )
 
 
@@ -283,6 +285,21 @@ def _sampling(
     prompt_param: str,
 ) -> SamplingParams:
     _refuse_what_it_cannot_do(req)
+    counts = [("prompt_logprobs", req.prompt_logprobs)]
+    counts.append(
+        ("top_logprobs", req.top_logprobs)
+        if isinstance(req, ChatCompletionRequest)
+        else ("logprobs", req.logprobs)
+    )
+    for param, k in counts:
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            asked = "every token's (-1)" if k < 0 else str(k)
+            raise OpenAIError(
+                f"Requested {asked} log probabilities, which is more than this replica "
+                f"gives: at most {MAX_LOGPROBS}",
+                param=param,
+                code="invalid_value",
+            )
     vocab = _vocab_size(replica)
     logit_bias = req.logit_bias_ids
     check_in_vocab(list(logit_bias), vocab, "logit_bias")

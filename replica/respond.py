@@ -291,14 +291,14 @@ def _choices(job: Job, output: RequestOutput, replica: Replica, base: int = 0) -
         if k is not None and job.chat:
             logprobs = lf.chat_logprobs(c.logprobs or [], k, decode)
         elif k is not None:
-            ids = c.token_ids
-            lps: list[TokenLogprob | None] = list(c.logprobs or [])
+            ids = [] if job.echo_only else c.token_ids
+            lps: list[TokenLogprob | None] = [] if job.echo_only else list(c.logprobs or [])
             if job.echo:
                 ids = job.prompt_ids + ids
                 lps = [*(prompt or [None] * len(job.prompt_ids)), *lps]
             logprobs = lf.completion_logprobs(ids, lps, k, decode)
         raw = None if job.chat or prompt is None else lf.raw_prompt_logprobs(prompt, decode)
-        text = job.echo_prefix + c.text
+        text = job.echo_prefix + ("" if job.echo_only else c.text)
         choices.append(
             fmt.Choice(base + c.index, text, c.finish_reason, c.stop_reason, logprobs, raw)
         )
@@ -361,6 +361,8 @@ async def _stream(
             clock.tick(len(delta.token_ids), replica.metrics)
             index = index_base + delta.index
             echo = echo_later and delta.prompt_logprobs is not None
+            if job.echo_only:  # the prompt alone: its one generated token's text is not
+                delta.text = ""
             if scores is not None:
                 scores.add(index, delta)
             if not delta.text and delta.finish_reason is None and not echo:
@@ -435,8 +437,9 @@ class _StreamedLogprobs:
         if self.job.echo and delta.prompt_logprobs is not None:
             ids += self.job.prompt_ids
             lps += delta.prompt_logprobs
-        ids += [lp.token_id for lp in delta.logprobs or ()]
-        lps += delta.logprobs or []
+        if not self.job.echo_only:  # (its one generated token is not part of the answer)
+            ids += [lp.token_id for lp in delta.logprobs or ()]
+            lps += delta.logprobs or []
 
     def take(self, index: int) -> dict[str, Any]:
         ids, lps = self.pending.pop(index, ([], []))

@@ -84,3 +84,27 @@ def test_a_batch_that_scores_its_prompts_is_routed_as_computed_whole(
     assert route.startswith("no_match") and "matched=0/0" in route, route
     sent = [r["body"] for r in cluster.received("/v1/completions")]
     assert sum(all(b.get(k) == v for k, v in scoring.items()) for b in sent) == 1
+
+
+def test_what_an_engine_may_accept_passes_the_gateway(cluster: StubCluster) -> None:
+    """The gateway refused ``max_tokens`` 0 with ``echo`` (vLLM's way to score a prompt
+    alone) and more than 20 log probabilities (vLLM's ``--max-logprobs`` may allow them):
+    limits that are the engine's to set. Both now reach the engine as sent; ``max_tokens``
+    0 without ``echo`` is still a 400, as vLLM answers it."""
+    body = {"model": MODEL, "prompt": "tides", "max_tokens": 0, "echo": True, "logprobs": 50}
+    answer = httpx.post(cluster.gateway.url + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 200, answer.text
+    sent = [r["body"] for r in cluster.received("/v1/completions")]
+    assert [b for b in sent if b.get("logprobs") == 50] == [body]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    for extra in ({"top_logprobs": 50}, {"top_logprobs": -1}):
+        answer = httpx.post(
+            cluster.gateway.url + "/v1/chat/completions", json=chat | extra, timeout=30
+        )
+        assert answer.status_code == 200, answer.text
+    refused = httpx.post(
+        cluster.gateway.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "tides", "max_tokens": 0},
+        timeout=30,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

@@ -4,6 +4,7 @@ prompt (what lm-evaluation-harness's loglikelihood tasks send), and the refusals
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -198,3 +199,47 @@ def test_chat_prompt_logprobs_are_vllms_field(replica: ReplicaProcess) -> None:
     assert raw[0] is None and len(raw) == out["usage"]["prompt_tokens"]
     assert all(len(entry) == 1 for entry in raw[1:])  # 0 alternatives: the token alone
     assert out["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_of_no_tokens_answers_the_prompt_scored(
+    replica: ReplicaProcess, stream: bool
+) -> None:
+    """``max_tokens`` 0 with ``echo`` (OpenAI's legacy way to score a text, which vLLM
+    keeps): the answer is the prompt, its tokens scored, and nothing generated shows; the
+    one token generated is counted, as vLLM counts it. Without ``echo`` it is a 400."""
+    prompt = "Gulls circled the trawler"
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 0,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
+    answer = httpx.post(replica.url + "/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    if stream:
+        events = [
+            json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")
+        ]
+        choices = [c for e in events for c in e["choices"]]
+        text = "".join(c["text"] for c in choices)
+        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        finish = choices[-1]["finish_reason"]
+        usage = events[-1]["usage"]
+    else:
+        whole = answer.json()
+        choice = whole["choices"][0]
+        text, tokens, finish = choice["text"], choice["logprobs"]["tokens"], choice["finish_reason"]
+        usage = whole["usage"]
+    assert text == prompt and finish == "length"
+    assert "".join(tokens) == prompt and len(tokens) == usage["prompt_tokens"]
+    assert usage["completion_tokens"] == 1
+    refused = httpx.post(
+        replica.url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 0},
+        timeout=30,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
