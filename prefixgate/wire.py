@@ -7,6 +7,7 @@ so that the gateway can pass a body through unchanged.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, TypeVar
 
 from pydantic import (
@@ -28,11 +29,9 @@ from prefixgate.tools import (
     ToolDef,
 )
 
-MAX_N = 16
-MAX_STOP_SEQUENCES = 16
-MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+# Only what every engine refuses is refused here: how many choices, stop strings or
+# biased tokens an engine takes, and how large a bias or penalty, are its own limits
+# (vLLM's are wider than the built-in replica's, which checks its own: replica/jobs.py).
 # Log-probability counts: -1 asks for every token (vLLM's); how many an engine gives is
 # its own limit (vLLM's --max-logprobs, 20 by default; the built-in replica's 20), so
 # the gateway passes any count on.
@@ -106,12 +105,12 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # -1 and 0: off
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -146,12 +145,8 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
         return value
 
     @field_validator("stop_token_ids")
@@ -166,13 +161,11 @@ class _SamplingFields(BaseModel):
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value is None:
             return None
-        if len(value) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids may be biased")
         for token, bias in value.items():
             if not (token.isascii() and token.isdigit()) or int(token) > TOKEN_ID_MAX:
                 raise ValueError(f"keys must be token ids (0 to {TOKEN_ID_MAX}), got {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"biases must be between -100 and 100, got {bias} for {token}")
+            if not math.isfinite(bias):
+                raise ValueError(f"biases must be finite numbers, got {bias} for {token}")
         return value
 
     @property

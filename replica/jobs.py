@@ -119,6 +119,7 @@ def encode_within(
 
 def job_from_chat(body: object, replica: Replica) -> Job:
     req = parse_request(ChatCompletionRequest, body)
+    _check_limits(req)  # before any encoding
     model = check_model(req.model, replica)
     parse_tools = _tool_choice(req, replica)
     _check_response_format(req)
@@ -209,6 +210,7 @@ def jobs_from_completion(body: object, replica: Replica) -> list[Job]:
     """A completion request's jobs: one, or one per prompt of a batch (vLLM's list
     ``prompt``), which share the answer's id (replica/respond.py, ``run_batch``)."""
     req = parse_request(CompletionRequest, body)
+    _check_limits(req)  # before any encoding
     model = check_model(req.model, replica)
     if req.batch_size == 1:
         return [_completion_job(req, model, req.single_prompt(), replica)]
@@ -346,6 +348,44 @@ def _sampling(
             req.prompt_logprobs_count if isinstance(req, CompletionRequest) else req.prompt_logprobs
         ),
     )
+
+
+# This replica's limits (the gateway's wire takes more: an engine sets its own).
+MAX_N = 16  # choices: each holds blocks of its own once it writes
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024  # per stop string: the matcher holds back up to this much text
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_BIAS = 100.0  # OpenAI's range, -100 to 100
+MAX_REPETITION_PENALTY = 2.0
+
+
+def _check_limits(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """A 400 naming the field for what is beyond this replica's limits."""
+
+    def refuse(param: str, message: str) -> None:
+        raise OpenAIError(f"{param}: {message}", param=param, code="invalid_value")
+
+    if req.n > MAX_N:
+        refuse("n", f"Input should be less than or equal to {MAX_N}")
+    stops = req.stop_list
+    if len(stops) > MAX_STOP_SEQUENCES:
+        refuse("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences")
+    if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+        refuse("stop", f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
+    if len(req.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+        refuse("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    bias = req.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        refuse("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids may be biased")
+    for token, value in bias.items():
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            refuse("logit_bias", f"biases must be between -100 and 100, got {value} for {token}")
+    if (req.repetition_penalty or 1.0) > MAX_REPETITION_PENALTY:
+        refuse(
+            "repetition_penalty",
+            f"Input should be less than or equal to {MAX_REPETITION_PENALTY:g}",
+        )
 
 
 # vLLM's request fields this replica cannot honour, each with the value that asks for

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -108,3 +109,28 @@ def test_what_an_engine_may_accept_passes_the_gateway(cluster: StubCluster) -> N
         timeout=30,
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_the_engines_own_limits_are_not_the_gateways(cluster: StubCluster) -> None:
+    """The gateway refused what vLLM 0.32 answers (checked against it): more than 16
+    choices, a stop string over 1,024 characters, over 256 stop token ids, over 300
+    biased tokens or a bias over 100, a repetition penalty over 2. Those were the built-in
+    replica's limits; the replica still answers them with a 400 of its own."""
+    chat: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for extra in (
+        {"n": 20},
+        {"stop": ["z" * 2000]},
+        {"stop_token_ids": list(range(100, 400))},
+        {"logit_bias": {str(t): 1 for t in range(100, 500)}},
+        {"logit_bias": {"100": 150}},
+        {"repetition_penalty": 3.0},
+    ):
+        answer = httpx.post(
+            cluster.gateway.url + "/v1/chat/completions", json=chat | extra, timeout=30
+        )
+        assert answer.status_code == 200, (extra, answer.text)
+    for extra in ({"n": 0}, {"stop": [""]}, {"repetition_penalty": 0}):
+        answer = httpx.post(
+            cluster.gateway.url + "/v1/chat/completions", json=chat | extra, timeout=30
+        )
+        assert answer.status_code == 400, extra  # what no engine takes

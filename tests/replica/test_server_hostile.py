@@ -97,6 +97,10 @@ def test_a_tiny_temperature_is_greedy(replica: ReplicaProcess) -> None:
         ("presence_penalty", 2.5),
         ("frequency_penalty", -3),
         ("repetition_penalty", 0),
+        ("repetition_penalty", 2.5),  # the replica's limits, wider on vLLM: checked here
+        ("n", 17),
+        ("stop_token_ids", list(range(100, 400))),
+        ("logit_bias", {str(t): 1 for t in range(100, 401)}),
         ("logit_bias", {"100": 101}),
         ("logit_bias", {"not-a-token": 1}),
         ("logit_bias", {"99999999": 1}),
