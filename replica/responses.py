@@ -26,10 +26,18 @@ from fastapi.responses import JSONResponse, Response
 from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, parse_request
 from prefixgate.wire_responses import ResponsesRequest, chat_body, input_messages
+from replica import logprobs_format as lf
 from replica.handle import RequestHandle
 from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
-from replica.request import RequestOutput
-from replica.respond import _engine_error, _observe, _submit, collect_whole, event_stream
+from replica.request import MAX_LOGPROBS, RequestOutput, TokenLogprob
+from replica.respond import (
+    _decoder,
+    _engine_error,
+    _observe,
+    _submit,
+    collect_whole,
+    event_stream,
+)
 from replica.state import Replica
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
 
@@ -88,14 +96,22 @@ class Turn:
             "usage": _usage(out) if out is not None else None,
         }
 
+    def logprobs(self, lps: list[TokenLogprob], replica: Replica) -> list[dict[str, Any]]:
+        """The output text's log probabilities, as a chat's ``logprobs.content``."""
+        k = self.job.params.logprobs or 0
+        return list(lf.chat_logprobs(lps, k, _decoder(replica))["content"])
+
     def finish(self, out: RequestOutput, replica: Replica) -> dict[str, Any]:
         """The whole response; stored with its conversation when ``store``."""
         text = out.choices[0].text
         content, calls = parse_hermes(text) if self.job.parse_tools else (text, [])
         calls = calls[:1] if self.job.single_tool_call else calls
-        items = ([message_item(_id("msg"), content)] if content else []) + [
-            function_item(call) for call in calls
-        ]
+        message = message_item(_id("msg"), content) if content else None
+        if message is not None and self.job.params.logprobs is not None:
+            message["content"][0]["logprobs"] = self.logprobs(
+                out.choices[0].logprobs or [], replica
+            )
+        items = ([message] if message is not None else []) + [function_item(call) for call in calls]
         body = self.body("completed", items, out)
         self.remember(content, calls, body, replica)
         return body
@@ -155,6 +171,7 @@ async def create(request: Request, replica: Replica) -> Response:
             raise not_found(req.previous_response_id, "previous_response_id")
         history, size = previous.messages, size + previous.size
     job = await off_loop_if_large(size, lambda: job_from_chat(chat_body(req, history), replica))
+    job.params.logprobs = _logprobs_asked(req)
     turn = Turn(req, job, history)
     handle = _submit(job, replica)
     if req.stream:
@@ -163,6 +180,27 @@ async def create(request: Request, replica: Replica) -> Response:
     if out is None:  # the client left: its blocks are already free
         return Response(status_code=499)
     return JSONResponse(turn.finish(out, replica))
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _logprobs_asked(req: ResponsesRequest) -> int | None:
+    """vLLM's rule: the output text's log probabilities when ``include`` names them, with
+    ``top_logprobs`` alternatives each (0 by default); None when not asked for."""
+    extra = req.model_extra or {}
+    include = extra.get("include")
+    if not isinstance(include, list) or LOGPROBS_INCLUDE not in include:
+        return None
+    k = extra.get("top_logprobs")
+    k = 0 if k is None else k
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+        raise OpenAIError(
+            f"top_logprobs: an integer from 0 to {MAX_LOGPROBS}, got {k!r}",
+            param="top_logprobs",
+            code="invalid_value",
+        )
+    return k
 
 
 class EventWriter:
@@ -185,8 +223,10 @@ async def _events(turn: Turn, handle: RequestHandle, replica: Replica) -> AsyncI
     text = ""  # the message's content so far
     calls: list[ParsedCall] = []
     items: list[dict[str, Any]] = []
+    scored: list[TokenLogprob] = []  # tokens whose text has not gone out yet
     async for delta in handle:
         turn.clock.tick(len(delta.token_ids), replica.metrics)
+        scored += delta.logprobs or []
         content, done = parser.feed(delta.text) if parser is not None else (delta.text, [])
         if delta.finish_reason is not None and parser is not None:
             tail, more = parser.finish()
@@ -199,12 +239,16 @@ async def _events(turn: Turn, handle: RequestHandle, replica: Replica) -> AsyncI
                     item=message_item(message_id, "", "in_progress"),
                 )
             text += content
+            scores: dict[str, Any] = {}
+            if turn.job.params.logprobs is not None:
+                scores["logprobs"], scored = turn.logprobs(scored, replica), []
             yield event(
                 "response.output_text.delta",
                 item_id=message_id,
                 output_index=0,
                 content_index=0,
                 delta=content,
+                **scores,
             )
         for call in done:
             if turn.job.single_tool_call and calls:

@@ -243,3 +243,32 @@ def test_an_echo_of_no_tokens_answers_the_prompt_scored(
         timeout=30,
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_responses_api_logprobs_when_included(replica: ReplicaProcess) -> None:
+    """The Responses API gives the output text's log probabilities when ``include`` names
+    ``message.output_text.logprobs``, with ``top_logprobs`` alternatives (vLLM's rule),
+    whole and in each text delta; not otherwise (the replica ignored both before)."""
+    client = replica.client(timeout=60)
+    kwargs: Any = {
+        "model": MODEL,
+        "input": "Describe a lighthouse.",
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    whole = client.responses.create(**kwargs)
+    part = whole.output[0].content[0]  # type: ignore[union-attr]
+    assert whole.usage is not None and len(part.logprobs) == whole.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    streamed = []
+    for event in client.responses.create(stream=True, **kwargs):
+        if event.type == "response.output_text.delta":
+            streamed += event.logprobs or []
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    plain = client.responses.create(**{**kwargs, "include": []})
+    assert not getattr(plain.output[0].content[0], "logprobs", None)  # type: ignore[union-attr]
+    bad = httpx.post(replica.url + "/v1/responses", json={**kwargs, "top_logprobs": 21}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
