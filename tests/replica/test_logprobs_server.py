@@ -263,7 +263,7 @@ def test_responses_api_logprobs_when_included(replica: ReplicaProcess) -> None:
     assert whole.usage is not None and len(part.logprobs) == whole.usage.output_tokens
     assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
     assert "".join(lp.token for lp in part.logprobs) == part.text
-    streamed = []
+    streamed: list[Any] = []
     for event in client.responses.create(stream=True, **kwargs):
         if event.type == "response.output_text.delta":
             streamed += event.logprobs or []
