@@ -45,6 +45,8 @@ class Job:
     echo: bool = False  # a completion that answers with its prompt first
     echo_prefix: str = ""  # its prompt's text
     echo_only: bool = False  # ``max_tokens`` 0: the prompt alone (one token is generated)
+    return_token_ids: bool = False  # vLLM's: the answer carries prompt and output ids
+    token_id_strings: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
     parse_tools: bool = False  # tool choice auto with a parser: tool calls from the text
     single_tool_call: bool = False  # parallel_tool_calls false: the first call only
     part: int | None = None  # a batch's prompt number: its own engine request, one answer
@@ -143,6 +145,8 @@ def job_from_chat(body: object, replica: Replica) -> Job:
         include_usage=req.include_usage,
         parse_tools=parse_tools,
         single_tool_call=req.parallel_tool_calls is False,
+        return_token_ids=_flag(req, "return_token_ids"),
+        token_id_strings=_flag(req, "return_tokens_as_token_ids"),
     )
 
 
@@ -258,8 +262,11 @@ def _completion_job(
         stream=req.stream,
         include_usage=req.include_usage,
         echo=req.echo,
-        echo_prefix=prompt_text if req.echo else "",
+        # vLLM leaves the echoed text out when the prompt's ids are returned instead.
+        echo_prefix=prompt_text if req.echo and not _flag(req, "return_token_ids") else "",
         echo_only=req.echo_only,
+        return_token_ids=_flag(req, "return_token_ids"),
+        token_id_strings=_flag(req, "return_tokens_as_token_ids"),
     )
 
 
@@ -395,13 +402,19 @@ _NOT_DONE: dict[str, object] = {
     "use_beam_search": False,
     "bad_words": [],
     "logprob_token_ids": None,
-    "return_token_ids": False,
-    "return_tokens_as_token_ids": False,
     "thinking_token_budget": None,
     "truncate_prompt_tokens": None,
     "chat_template": None,  # vLLM too refuses it, unless started to trust it
     "echo": False,  # a chat's (a completion's echo is done)
 }
+
+
+def _flag(req: ChatCompletionRequest | CompletionRequest, name: str) -> bool:
+    """One of vLLM's boolean extras (kept as extra fields: the gateway passes them on)."""
+    value = (req.model_extra or {}).get(name)
+    if value is not None and not isinstance(value, bool):
+        raise OpenAIError(f"{name}: must be a boolean", param=name, code="invalid_value")
+    return value is True
 
 
 def _refuse_what_it_cannot_do(req: ChatCompletionRequest | CompletionRequest) -> None:

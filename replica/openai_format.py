@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from prefixgate.wire import usage
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Choice:
     """One finished choice: its index, text and why it stopped."""
 
@@ -27,6 +27,9 @@ class Choice:
     stop_reason: str | int | None = None  # the stop string or stop token id, as vLLM's
     logprobs: dict[str, Any] | None = None  # built by replica.logprobs_format
     prompt_logprobs: list[Any] | None = None  # a completion choice's, vLLM's raw shape
+    # vLLM's ``return_token_ids``: the choice's ids, and a completion choice's prompt's.
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class Usage(NamedTuple):
@@ -54,6 +57,7 @@ def chat_completion(
     choices: Sequence[Choice],
     use: Usage,
     prompt_logprobs: list[Any] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     body = {
         "id": id_,
@@ -67,6 +71,7 @@ def chat_completion(
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **({} if c.token_ids is None else {"token_ids": c.token_ids}),
             }
             for c in choices
         ],
@@ -74,6 +79,8 @@ def chat_completion(
     }
     if prompt_logprobs is not None:  # vLLM's, beside the choices
         body["prompt_logprobs"] = prompt_logprobs
+    if prompt_token_ids is not None:
+        body["prompt_token_ids"] = prompt_token_ids
     return body
 
 
@@ -134,6 +141,10 @@ def _text_choice(c: Choice) -> dict[str, Any]:
     }
     if c.prompt_logprobs is not None:
         choice["prompt_logprobs"] = c.prompt_logprobs
+    if c.token_ids is not None:
+        choice["token_ids"] = c.token_ids
+    if c.prompt_token_ids is not None:
+        choice["prompt_token_ids"] = c.prompt_token_ids
     return choice
 
 

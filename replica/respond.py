@@ -272,9 +272,11 @@ def _output(handle: RequestHandle) -> RequestOutput:
     return output
 
 
-def _decoder(replica: Replica) -> lf.Decode:
+def _decoder(replica: Replica, job: Job | None = None) -> lf.Decode:
     """One token id's text, as vLLM reports a log probability's token: special tokens
-    included."""
+    included; ``token_id:N`` under vLLM's ``return_tokens_as_token_ids``."""
+    if job is not None and job.token_id_strings:
+        return lambda token_id: f"token_id:{token_id}"
     tokenizer = replica.loaded.tokenizer
     return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -284,7 +286,7 @@ def _choices(job: Job, output: RequestOutput, replica: Replica, base: int = 0) -
     probabilities when asked for: a completion's echo scores its prompt first."""
     k = job.params.logprobs
     prompt = output.prompt_logprobs
-    decode = _decoder(replica)
+    decode = _decoder(replica, job)
     choices = []
     for c in output.choices:
         logprobs = None
@@ -299,9 +301,11 @@ def _choices(job: Job, output: RequestOutput, replica: Replica, base: int = 0) -
             logprobs = lf.completion_logprobs(ids, lps, k, decode)
         raw = None if job.chat or prompt is None else lf.raw_prompt_logprobs(prompt, decode)
         text = job.echo_prefix + ("" if job.echo_only else c.text)
-        choices.append(
-            fmt.Choice(base + c.index, text, c.finish_reason, c.stop_reason, logprobs, raw)
-        )
+        choice = fmt.Choice(base + c.index, text, c.finish_reason, c.stop_reason, logprobs, raw)
+        if job.return_token_ids:
+            choice.token_ids = [] if job.echo_only else c.token_ids
+            choice.prompt_token_ids = None if job.chat else job.prompt_ids
+        choices.append(choice)
     return choices
 
 
@@ -310,8 +314,11 @@ def _full_body(job: Job, output: RequestOutput, replica: Replica) -> dict[str, A
     use = fmt.Usage(output.prompt_tokens, output.completion_tokens, output.cached_tokens)
     if job.chat:
         prompt = output.prompt_logprobs
-        raw = None if prompt is None else lf.raw_prompt_logprobs(prompt, _decoder(replica))
-        body = fmt.chat_completion(job.response_id, job.model, job.created, choices, use, raw)
+        raw = None if prompt is None else lf.raw_prompt_logprobs(prompt, _decoder(replica, job))
+        prompt_ids = job.prompt_ids if job.return_token_ids else None
+        body = fmt.chat_completion(
+            job.response_id, job.model, job.created, choices, use, raw, prompt_ids
+        )
     else:
         body = fmt.text_completion(job.response_id, job.model, job.created, choices, use)
     if job.parse_tools:
@@ -340,23 +347,23 @@ async def _stream(
         else None
     )
     scores = _StreamedLogprobs(job, replica) if job.params.logprobs is not None else None
+    ids = _StreamedIds(job) if job.return_token_ids else None
     # An echo that reports log probabilities goes out with the first tokens, as vLLM's:
     # the prompt's are known only once it is computed.
     echo_later = job.echo and scores is not None
     try:
         for index in range(index_base, index_base + job.params.n):
             if job.chat:
-                yield fmt.sse(
-                    fmt.chat_chunk(
-                        job.response_id, job.model, job.created, index, role="assistant", content=""
-                    )
+                first = fmt.chat_chunk(
+                    job.response_id, job.model, job.created, index, role="assistant", content=""
                 )
             elif job.echo and not echo_later:
-                yield fmt.sse(
-                    fmt.text_chunk(
-                        job.response_id, job.model, job.created, index, job.echo_prefix, None
-                    )
+                first = fmt.text_chunk(
+                    job.response_id, job.model, job.created, index, job.echo_prefix, None
                 )
+            else:
+                continue
+            yield fmt.sse(first if ids is None else ids.mark(first, index))
         async for delta in handle:
             clock.tick(len(delta.token_ids), replica.metrics)
             index = index_base + delta.index
@@ -365,12 +372,16 @@ async def _stream(
                 delta.text = ""
             if scores is not None:
                 scores.add(index, delta)
+            if ids is not None:
+                ids.add(index, delta)
             if not delta.text and delta.finish_reason is None and not echo:
                 continue  # held back (a stop string may be starting): its scores wait too
             if tools is not None:
                 for tool_chunk in tools.chunks(index, delta.text, delta.finish_reason):
                     if scores is not None:
                         tool_chunk["choices"][0]["logprobs"] = scores.take(index)
+                    if ids is not None:
+                        ids.mark(tool_chunk, index)
                     yield fmt.sse(tool_chunk)
                 continue
             if job.chat:
@@ -395,7 +406,7 @@ async def _stream(
                     delta.stop_reason,
                     None if scores is None else scores.take(index),
                 )
-            yield fmt.sse(chunk)
+            yield fmt.sse(chunk if ids is None else ids.mark(chunk, index))
         output = _output(handle)
         finished = True
         if output.error is not None:
@@ -420,6 +431,31 @@ async def _stream(
             replica.engine.cancel(job.engine_request_id)
 
 
+class _StreamedIds:
+    """vLLM's ``return_token_ids`` in a stream: each chunk carries its tokens' ids (those
+    held back go with the next chunk of their choice); the prompt's ids go with the
+    stream's first chunk (a chat's) or each choice's first (a completion's)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.pending: dict[int, list[int]] = {}
+        self.started: set[int] = set()
+
+    def add(self, index: int, delta: Delta) -> None:
+        if not self.job.echo_only:  # (its one generated token is not part of the answer)
+            self.pending.setdefault(index, []).extend(delta.token_ids)
+
+    def mark(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
+        choice = chunk["choices"][0]
+        choice["token_ids"] = self.pending.pop(index, [])
+        if self.job.chat and not self.started:
+            chunk["prompt_token_ids"] = self.job.prompt_ids
+        elif not self.job.chat and index not in self.started:
+            choice["prompt_token_ids"] = self.job.prompt_ids
+        self.started.add(index)
+        return chunk
+
+
 class _StreamedLogprobs:
     """A stream's log probabilities per choice: each chunk carries those of the tokens
     since the last chunk of its choice (tokens whose text is held back wait for it), a
@@ -427,7 +463,7 @@ class _StreamedLogprobs:
 
     def __init__(self, job: Job, replica: Replica) -> None:
         self.job = job
-        self.decode = _decoder(replica)
+        self.decode = _decoder(replica, job)
         self.k = job.params.logprobs or 0
         self.pending: dict[int, tuple[list[int], list[TokenLogprob | None]]] = {}
         self.offsets: dict[int, int] = {}

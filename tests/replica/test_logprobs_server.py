@@ -1,6 +1,7 @@
 """Log probabilities over HTTP, as vLLM answers them, driven with the official openai
 client: chats and completions, whole and streamed, a completion's echo scoring its
-prompt (what lm-evaluation-harness's loglikelihood tasks send), and the refusals."""
+prompt (what lm-evaluation-harness's loglikelihood tasks send), and the refusals; and
+the token ids vLLM returns on request (``return_token_ids``)."""
 
 from __future__ import annotations
 
@@ -272,3 +273,36 @@ def test_responses_api_logprobs_when_included(replica: ReplicaProcess) -> None:
     assert not getattr(plain.output[0].content[0], "logprobs", None)  # type: ignore[union-attr]
     bad = httpx.post(replica.url + "/v1/responses", json={**kwargs, "top_logprobs": 21}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_return_token_ids_whole_and_streamed(replica: ReplicaProcess, path: str) -> None:
+    """vLLM's ``return_token_ids`` (agents and RL frameworks trace the exact tokens): the
+    prompt's ids and each choice's, whole and streamed (the stream's chunks add up to the
+    whole answer's ids; the prompt's go with the first chunk). With
+    ``return_tokens_as_token_ids``, log probabilities name tokens ``token_id:N``."""
+    chat = "chat" in path
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    body |= {"messages": CHAT} if chat else {"prompt": "Harbour lights at dusk"}
+    body |= {"return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": True}
+    if not chat:
+        body["logprobs"] = 1
+    whole = httpx.post(replica.url + path, json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    prompt_ids = whole["prompt_token_ids"] if chat else choice["prompt_token_ids"]
+    assert len(prompt_ids) == whole["usage"]["prompt_tokens"]
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"] == 6
+    named = (
+        [i["token"] for i in choice["logprobs"]["content"]]
+        if chat
+        else choice["logprobs"]["tokens"]
+    )
+    assert named == [f"token_id:{t}" for t in choice["token_ids"]]
+    answer = httpx.post(replica.url + path, json=body | {"stream": True}, timeout=60)
+    chunks = [
+        json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")
+    ]
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert streamed == choice["token_ids"]
+    first = chunks[0] if chat else chunks[0]["choices"][0]
+    assert first["prompt_token_ids"] == prompt_ids

@@ -132,7 +132,6 @@ def test_sampling_field_out_of_range_is_a_400(
         ("structured_outputs", {"choice": ["yes", "no"]}),
         ("use_beam_search", True),
         ("bad_words", ["the"]),
-        ("return_token_ids", True),
         ("truncate_prompt_tokens", 5),
         ("chat_template", "{{ messages }}"),
         ("echo", True),
