@@ -307,19 +307,19 @@ class Scheduler:
             for request in {id(s.request): s.request for s in scheduled}.values():
                 self.fail(request, exc, "running the model", traceback=False)
             return
-        at = len(rows)
-        for seq, start, count in scoring:
-            try:
-                self._score_prompt(seq, start, [logits[at + i] for i in range(count)])
-            except Exception as exc:
-                self.fail(seq.request, exc, "computing prompt log probabilities")
-            at += count
         now = self.clock()
         for seq in scheduled:
             was_prefilling = seq.num_computed < seq.num_prompt
             seq.num_computed += plan[id(seq)]
             if was_prefilling and seq.num_computed >= seq.num_prompt:
                 self._prompt_done(seq, now)
+        at = len(rows)  # before sampling: a prompt's first token carries its scores
+        for seq, start, count in scoring:
+            try:
+                self._score_prompt(seq, start, [logits[at + i] for i in range(count)])
+            except Exception as exc:
+                self.fail(seq.request, exc, "computing prompt log probabilities")
+            at += count
         for row, seq in enumerate(sampling):
             request = seq.request
             if request.request_id not in self.requests:

@@ -73,6 +73,32 @@ def test_a_request_whose_sampling_fails_fails_alone(tiny: LoadedModel) -> None:
         _unpinned(engine)
 
 
+def test_a_request_whose_prompt_scoring_fails_fails_alone(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scoring a prompt's tokens (prompt log probabilities) raising fails that request
+    alone, in the step that computed it; its blocks go back, the others go on."""
+    with running(tiny) as engine:
+        expected = engine.generate(PROMPT, GREEDY)
+        real = engine.scheduler.runner.logprobs
+
+        def failing(rows: Any, token_ids: Any, k: int) -> Any:
+            if len(token_ids) > 1:  # prompt rows (a sampled token is scored alone)
+                raise RuntimeError("scoring failed (injected)")
+            return real(rows, token_ids, k)
+
+        monkeypatch.setattr(engine.scheduler.runner, "logprobs", failing)
+        long = engine.submit(PROMPT, SamplingParams(max_tokens=30, temperature=0.0, logprobs=1))
+        scored = engine.submit(
+            [*PROMPT, 1], SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=1)
+        ).wait(60)
+        assert scored.error is not None and "prompt log probabilities" in scored.error
+        assert long.wait(60).error is None
+        assert engine.alive and engine.error is None
+        assert engine.generate(PROMPT, GREEDY).choices[0].token_ids == expected.choices[0].token_ids
+        _unpinned(engine)
+
+
 def test_tiny_temperatures_are_greedy(tiny: LoadedModel) -> None:
     with running(tiny) as engine:
         greedy = engine.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
