@@ -187,8 +187,6 @@ class Engine:
             stop_token_ids=frozenset(stop_ids),
             sink=handle,
             submitted_at=time.monotonic(),
-            # The first prompt token has no log probability: nothing precedes it.
-            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         with self._lock:
             if self.error is not None:

@@ -239,6 +239,10 @@ class RequestState:
     # Filled position by position as the prompt is computed, when asked for.
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first token: nothing precedes it
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Asked for and not all computed yet: the prompt must be computed, not matched

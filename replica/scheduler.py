@@ -191,7 +191,8 @@ class Scheduler:
         A waiting sequence's prefix is looked up once, when first counted here. The
         full blocks of it that a prompt ahead (prefilling, or waiting before it) will
         compute count as cached too: it shares them once they are committed (a burst on
-        one new prefix computes it once), so it adds only its own tail to the queue."""
+        one new prefix computes it once), so it adds only its own tail to the queue. A
+        prompt whose tokens are scored counts whole: it is computed past the cache."""
         cached = self._waiting_cached
         now: dict[tuple[str, int], int] = {}
         total = 0
@@ -201,7 +202,9 @@ class Scheduler:
         for s in self.waiting:
             key = (s.request.request_id, s.index)
             hit = cached.get(key)
-            if hit is None:
+            if hit is None and s.request.wants_prompt_logprobs:
+                hit = 0  # its prompt is scored: computed whole, whatever is cached
+            elif hit is None:
                 if ahead is None:
                     ahead = {}
                     for other in self.running:
@@ -368,7 +371,7 @@ class Scheduler:
         targets = seq.token_ids[start + 1 : start + 1 + len(rows)]
         scored = self.runner.logprobs(rows, targets, k)
         table = request.prompt_logprobs
-        assert table is not None, "the engine starts it when the request asks for it"
+        assert table is not None, "a request that asks for them starts with one"
         for position, logprob in enumerate(scored, start + 1):
             if position < len(table):
                 table[position] = logprob

@@ -261,6 +261,35 @@ def test_queued_prefill_tokens_count_a_waiting_prompt_beyond_its_cached_prefix()
     assert sched.queued_prefill_tokens == 0
 
 
+def test_a_prompt_whose_tokens_are_scored_is_queued_and_computed_whole() -> None:
+    """Prompt log probabilities need every prompt position's logits: the prompt is
+    computed past its cached prefix (as vLLM does), so its queue report counts it whole,
+    and its answer reports nothing cached; the next prompt finds it all cached."""
+    sched = make(max_running=1)
+    add(sched, "a", list(range(1, 13)))  # 3 full blocks once done
+    drain(sched)
+    add(sched, "b", list(range(100, 106)))  # runs, holding the only slot
+    scored = add(sched, "c", [*range(1, 13), 50, 51, 52, 53, 54], prompt_logprobs=0)
+    step(sched)
+    assert [s.request.request_id for s in sched.waiting] == ["c"]
+    assert sched.queued_prefill_tokens == 17  # not 17 - 12
+    drain(sched)
+    assert scored.output is not None and scored.output.cached_tokens == 0
+    table = scored.output.prompt_logprobs
+    assert table is not None and len(table) == 17 and table[0] is None
+    assert [lp.token_id for lp in table[1:] if lp is not None] == [
+        *range(2, 13),
+        50,
+        51,
+        52,
+        53,
+        54,
+    ]
+    again = add(sched, "d", [*range(1, 13), 50, 51, 52, 53, 54, 60])
+    drain(sched)
+    assert again.output is not None and again.output.cached_tokens == 16
+
+
 def test_a_prompt_that_waits_for_blocks_is_counted_once_when_admitted() -> None:
     # A waiting prompt is looked up in the cache at every step until it fits. Counted
     # at each lookup, it would weigh in the hit statistics once per step it waited (as
