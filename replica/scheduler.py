@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from replica.detokenize import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
+from replica.grammar import new_matcher
 from replica.prefix_cache import CacheFull, PrefixCache, PrefixMatch
 from replica.request import Delta, RequestState, SequenceState
 from replica.runner import BlockLayout, ForwardFn, SeqSlice, StepRunner
@@ -109,6 +110,11 @@ class Scheduler:
                             request.params.stop, request.params.include_stop_str_in_output
                         ),
                         generator=self.runner.make_generator(request.params, i),
+                        grammar=(
+                            None
+                            if request.params.grammar is None
+                            else new_matcher(request.params.grammar)
+                        ),
                     )
                 )
         except Exception as exc:
@@ -355,7 +361,10 @@ class Scheduler:
                 target.token_ids,
                 target.num_prompt,
                 banned=request.stop_token_ids if early else (),  # min_tokens not reached
+                grammar=target.grammar,
             )
+            if target.grammar is not None:
+                target.grammar.accept_token(token)
             logprob = None if k is None else self.runner.logprobs([logits], [token], k)[0]
             delta = target.append_token(token, self.max_context, logprob)
             if request.prompt_logprobs is not None and len(target.output_token_ids) == 1:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.segments import SegmentCache
+from replica.grammar import Grammars
 from replica.metrics import ReplicaMetrics
 from replica.publisher import Publisher
 from replica.response_store import ResponseStore
@@ -39,6 +40,17 @@ class Replica:
     tools_ignored_warned: set[str] = field(default_factory=set)
     # Responses API: stored responses (previous_response_id, GET/DELETE by id).
     responses: ResponseStore = field(default_factory=ResponseStore)
+    # Structured output's compiled grammars (replica.grammar), made at the first request
+    # that asks for one.
+    _grammars: Grammars | None = None
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            tokenizer = self.loaded.tokenizer
+            self._grammars = Grammars(
+                tokenizer.tokenizer, int(self.engine.backend.vocab_size), tokenizer.eos_token_ids
+            )
+        return self._grammars
 
     @property
     def model_ids(self) -> list[str]:

@@ -58,8 +58,9 @@ class TorchStep:
         token_ids: Sequence[int],
         num_prompt: int,
         banned: Collection[int] = (),
+        grammar: Any = None,
     ) -> int:
-        return sample_token(row, params, generator, token_ids, num_prompt, banned)
+        return sample_token(row, params, generator, token_ids, num_prompt, banned, grammar)
 
     def logprobs(
         self, rows: Sequence[torch.Tensor], token_ids: Sequence[int], k: int

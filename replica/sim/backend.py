@@ -131,6 +131,7 @@ class SimBackend:
         token_ids: Sequence[int],
         num_prompt: int,
         banned: Collection[int] = (),
+        grammar: Any = None,  # never set: the engine refuses grammars for this backend
     ) -> int:
         h = _mix(int(generator) ^ len(token_ids))
         for token in token_ids[-3:]:

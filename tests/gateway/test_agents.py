@@ -210,9 +210,11 @@ def test_choices_that_cannot_be_honoured_are_400s(cluster: Cluster) -> None:
         )
     with pytest.raises(openai.BadRequestError, match="`tools` must be set"):
         c.chat.completions.create(model=MODEL, messages=messages, tool_choice="auto")
-    with pytest.raises(openai.BadRequestError, match="cannot enforce structured output"):
+    with pytest.raises(openai.BadRequestError, match=r"json_schema\.schema must be"):
         c.chat.completions.create(
-            model=MODEL, messages=messages, response_format={"type": "json_object"}
+            model=MODEL,
+            messages=messages,
+            response_format={"type": "json_schema", "json_schema": {"name": "no-schema"}},  # type: ignore[typeddict-item]
         )
     plain = c.chat.completions.create(
         model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=64

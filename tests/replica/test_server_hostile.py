@@ -129,7 +129,6 @@ def test_sampling_field_out_of_range_is_a_400(
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("structured_outputs", {"choice": ["yes", "no"]}),
         ("use_beam_search", True),
         ("bad_words", ["the"]),
         ("truncate_prompt_tokens", 5),
@@ -141,7 +140,7 @@ def test_vllm_fields_it_cannot_honour_are_a_400_not_ignored(
     replica: ReplicaProcess, field: str, value: Any
 ) -> None:
     """vLLM honours these; this replica cannot, and answering as if it had (it used to:
-    a 200 with unconstrained text for ``structured_outputs``) is worse than saying so."""
+    a 200 for a request's ``chat_template``, which it ignored) is worse than saying so."""
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, field: value}
     error = _bad_request(replica, "/v1/chat/completions", body)
     assert error["param"] == field, error

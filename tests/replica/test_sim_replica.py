@@ -77,6 +77,13 @@ def test_a_sim_replica_serves_caches_publishes_and_never_imports_torch(
         # It has no logits: log probabilities are a 400 saying so, not made up.
         with pytest.raises(openai.BadRequestError, match="computes no logits"):
             client.completions.create(model="sim", prompt="Hi", max_tokens=2, logprobs=1)
+        with pytest.raises(openai.BadRequestError, match="computes no logits"):
+            client.completions.create(
+                model="sim",
+                prompt="Hi",
+                max_tokens=2,
+                extra_body={"structured_outputs": {"choice": ["a", "b"]}},
+            )
         stats = httpx.get(url + "/cache/stats", timeout=10).json()
         assert stats["total_blocks"] == 128  # 256 MiB in the profile's 2 MiB blocks
         assert redis.Redis.from_url(redis_server.url).keys("*"), "nothing published to Redis"

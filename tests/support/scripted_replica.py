@@ -43,6 +43,7 @@ def scripted(
         token_ids: Sequence[int],
         num_prompt: int,
         banned: Any = (),
+        grammar: Any = None,
     ) -> int:
         prompt = tuple(token_ids[:num_prompt])
         tokens = forced.get(prompt)

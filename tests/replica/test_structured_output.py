@@ -1,0 +1,154 @@
+"""Structured output on the built-in replica (replica/grammar.py), as vLLM serves it:
+``response_format`` JSON and vLLM's ``structured_outputs``, by constrained decoding. The
+replica answered every ``response_format`` JSON with a 400 and ignored
+``structured_outputs`` (a 200 with free text) before."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from prefixgate.procs import stop_process
+from replica.engine import Engine, EngineConfig
+from replica.grammar import Grammars, GrammarSpec, spec_from_fields
+from replica.models import load_model
+from replica.request import SamplingParams
+from tests.replica.conftest import MODEL, ReplicaProcess, start_replica
+
+CHAT: Any = [{"role": "user", "content": "Answer the question about the harbour."}]
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
+    rep = start_replica(tmp_path_factory.mktemp("structured"))
+    yield rep
+    stop_process(rep.proc)
+
+
+def _chat(replica: ReplicaProcess, stream: bool = False, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 24, "temperature": 0, **extra}
+    return httpx.post(
+        replica.url + "/v1/chat/completions", json=body | {"stream": stream}, timeout=60
+    )
+
+
+def _texts(answer: httpx.Response) -> list[str]:
+    if not answer.headers["content-type"].startswith("text/event-stream"):
+        return [c["message"]["content"] for c in answer.json()["choices"]]
+    texts: dict[int, str] = {}
+    for line in answer.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    return [texts[i] for i in sorted(texts)]
+
+
+@pytest.mark.parametrize(
+    ("constraint", "valid"),
+    [
+        ({"choice": ["north", "south", "east by west"]}, {"north", "south", "east by west"}),
+        ({"regex": r"[0-9]{3}-[a-z]{2}"}, re.compile(r"[0-9]{3}-[a-z]{2}")),
+    ],
+    ids=["choice", "regex"],
+)
+def test_structured_outputs_hold_whole_streamed_and_sampled(
+    replica: ReplicaProcess, constraint: dict[str, Any], valid: Any
+) -> None:
+    """A random model's output still matches: greedy whole and streamed alike, and each
+    of three sampled choices; finished by the grammar (``stop``), not the token limit."""
+
+    def ok(text: str) -> bool:
+        return text in valid if isinstance(valid, set) else valid.fullmatch(text) is not None
+
+    whole = _chat(replica, structured_outputs=constraint)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["finish_reason"] == "stop"
+    (text,) = _texts(whole)
+    assert ok(text), text
+    assert _texts(_chat(replica, stream=True, structured_outputs=constraint)) == [text]
+    sampled = _chat(replica, structured_outputs=constraint, n=3, temperature=1.0, seed=5)
+    assert all(ok(t) for t in _texts(sampled)), _texts(sampled)
+    completion = httpx.post(
+        replica.url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "Code:",
+            "max_tokens": 24,
+            "structured_outputs": constraint,
+        },
+        timeout=60,
+    )
+    assert completion.status_code == 200 and ok(completion.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
+            "response_format",
+        ),
+    ],
+)
+def test_a_constraint_that_cannot_hold_is_a_400(
+    replica: ReplicaProcess, extra: dict[str, Any], param: str
+) -> None:
+    answer = _chat(replica, **extra)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    assert _chat(replica).status_code == 200  # and the replica serves on
+
+
+def test_specs_from_request_fields() -> None:
+    assert spec_from_fields(None, None) is None
+    assert spec_from_fields({"type": "text"}, None) is None
+    assert spec_from_fields({"type": "json_object"}, None) == GrammarSpec("json_object")
+    schema = spec_from_fields({"type": "json_schema", "json_schema": {"schema": PERSON}}, None)
+    assert schema == GrammarSpec("json_schema", json.dumps(PERSON))
+    # vLLM's own field wins over response_format, as in vLLM; a schema may come as text.
+    assert spec_from_fields({"type": "json_object"}, {"json": json.dumps(PERSON)}) == schema
+    assert spec_from_fields(None, {"json_object": True}) == GrammarSpec("json_object")
+
+
+@pytest.mark.slow
+def test_json_constraints_on_smollm2_parse_as_asked() -> None:
+    """A real model under ``response_format`` JSON: the text parses, as an object; under a
+    schema, with the required keys of the required types, in the schema's order."""
+    model = load_model("smollm2-135m", dtype="float32")
+    tok = model.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Give a person's name and age as JSON."}])
+    grammars = Grammars(tok.tokenizer, int(model.vocab_size), tok.eos_token_ids)
+    engine = Engine(model, EngineConfig(num_blocks=64, check_invariants=True))
+    engine.start()
+    try:
+        for spec in (GrammarSpec("json_object"), GrammarSpec("json_schema", json.dumps(PERSON))):
+            params = SamplingParams(max_tokens=60, temperature=0.0, grammar=grammars.compile(spec))
+            out = engine.generate(prompt, params).choices[0]
+            assert out.finish_reason == "stop", out.text
+            value = json.loads(out.text)
+            assert isinstance(value, dict)
+            if spec.kind == "json_schema":
+                assert list(value) == ["name", "age"]
+                assert isinstance(value["name"], str) and isinstance(value["age"], int)
+        engine.run_until_idle(timeout=60)
+        assert engine.cache.stats().pinned_blocks == 0
+    finally:
+        engine.stop(timeout=30)
