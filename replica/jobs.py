@@ -7,6 +7,7 @@ raised as an ``OpenAIError`` that names the field and what to fix.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from prefixgate.wire import (
     parse_request,
 )
 from replica import openai_format as fmt
-from replica.grammar import spec_from_fields
+from replica.grammar import GrammarSpec, spec_from_fields
 from replica.metrics import ReplicaMetrics
 from replica.request import MAX_LOGPROBS, SamplingParams
 from replica.state import Replica
@@ -49,6 +50,8 @@ class Job:
     return_token_ids: bool = False  # vLLM's: the answer carries prompt and output ids
     token_id_strings: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
     parse_tools: bool = False  # tool choice auto with a parser: tool calls from the text
+    forced_tools: bool = False  # tool choice required or named: the text is calls' JSON
+    forced_tool_name: str | None = None  # the named function (None: required)
     single_tool_call: bool = False  # parallel_tool_calls false: the first call only
     part: int | None = None  # a batch's prompt number: its own engine request, one answer
 
@@ -125,7 +128,14 @@ def job_from_chat(body: object, replica: Replica) -> Job:
     _check_limits(req)  # before any encoding
     model = check_model(req.model, replica)
     parse_tools = _tool_choice(req, replica)
-    grammar = _grammar(req, replica)
+    forced_spec, forced_name = _forced_tools(req)
+    # A forced tool choice's grammar overrides response_format and structured_outputs,
+    # as vLLM's does (its answer must be the calls).
+    grammar = (
+        _grammar(req, replica)
+        if forced_spec is None
+        else _compile(forced_spec, replica, "tool_choice")
+    )
     chat = chat_input(req)
     if req.tools and replica.loaded.tokenizer.template_ignores_tools:
         _warn_tools_ignored(model, replica)
@@ -147,6 +157,8 @@ def job_from_chat(body: object, replica: Replica) -> Job:
         include_usage=req.include_usage,
         parse_tools=parse_tools,
         single_tool_call=req.parallel_tool_calls is False,
+        forced_tools=forced_spec is not None,
+        forced_tool_name=forced_name,
         return_token_ids=_flag(req, "return_token_ids"),
         token_id_strings=_flag(req, "return_tokens_as_token_ids"),
     )
@@ -178,14 +190,41 @@ def _tool_choice(req: ChatCompletionRequest, replica: Replica) -> bool:
             '"auto"); or send tool_choice "none"',
             param="tool_choice",
         )
-    if choice != "auto":
-        raise OpenAIError(
-            f"tool_choice={described} needs constrained decoding, which this replica does "
-            'not have; send tool_choice "auto"',
-            param="tool_choice",
-            code="unsupported_value",
-        )
-    return True
+    return choice == "auto"  # a forced choice is decoded under a grammar (_forced_tools)
+
+
+def _forced_tools(req: ChatCompletionRequest) -> tuple[GrammarSpec | None, str | None]:
+    """A forced tool choice's grammar, as vLLM builds it: a named function's arguments
+    (its parameters' schema), or for ``required`` a JSON list of ``{"name",
+    "parameters"}`` calls to the given tools (one at most without parallel calls); and
+    the named function's name. (None, None) when the choice is not forced."""
+    choice = effective_tool_choice(req.tools, req.tool_choice)
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in req.tools or () if t.function.name == choice.function.name)
+        params = tool.function.parameters or {"type": "object", "properties": {}}
+        return GrammarSpec("json_schema", json.dumps(params)), choice.function.name
+    if choice != "required":
+        return None, None
+    calls: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": t.function.parameters or {"type": "object", "properties": {}},
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for t in req.tools or ()
+            ],
+        },
+    }
+    if req.parallel_tool_calls is False:
+        calls["maxItems"] = 1
+    return GrammarSpec("json_schema", json.dumps(calls)), None
 
 
 def _grammar(req: ChatCompletionRequest | CompletionRequest, replica: Replica) -> Any:
@@ -202,6 +241,10 @@ def _grammar(req: ChatCompletionRequest | CompletionRequest, replica: Replica) -
         raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
     if spec is None:
         return None
+    return _compile(spec, replica, param)
+
+
+def _compile(spec: GrammarSpec, replica: Replica, param: str) -> Any:
     if not replica.engine.backend.has_logits:
         raise OpenAIError(
             "structured output is not available: the simulated engine computes no logits "

@@ -32,7 +32,7 @@ from replica.request import (
     TokenLogprob,
 )
 from replica.state import Replica
-from replica.tool_output import ToolCallChunks, parsed_message
+from replica.tool_output import ToolCallChunks, forced_message, parsed_message
 
 log = logging.getLogger("prefixgate.replica.server")
 
@@ -326,6 +326,11 @@ def _full_body(job: Job, output: RequestOutput, replica: Replica) -> dict[str, A
             choice["message"], choice["finish_reason"] = parsed_message(
                 out.text, out.finish_reason, job.single_tool_call
             )
+    elif job.forced_tools:
+        for choice, out in zip(body["choices"], output.choices, strict=True):
+            choice["message"], choice["finish_reason"] = forced_message(
+                out.text, out.finish_reason, job.forced_tool_name
+            )
     return body
 
 
@@ -343,9 +348,10 @@ async def _stream(
     finished = False
     tools = (
         ToolCallChunks(job.response_id, job.model, job.created, job.single_tool_call)
-        if job.parse_tools
+        if job.parse_tools or job.forced_tools
         else None
     )
+    forced: dict[int, str] = {}  # a forced tool choice's text so far, per choice
     scores = _StreamedLogprobs(job, replica) if job.params.logprobs is not None else None
     ids = _StreamedIds(job) if job.return_token_ids else None
     # An echo that reports log probabilities goes out with the first tokens, as vLLM's:
@@ -376,6 +382,21 @@ async def _stream(
                 ids.add(index, delta)
             if not delta.text and delta.finish_reason is None and not echo:
                 continue  # held back (a stop string may be starting): its scores wait too
+            if tools is not None and job.forced_tools:
+                # The calls' JSON is held to the grammar: sent as calls when it ends.
+                forced[index] = forced.get(index, "") + delta.text
+                if delta.finish_reason is None:
+                    continue
+                chunks = tools.forced(
+                    index, forced.pop(index), delta.finish_reason, job.forced_tool_name
+                )
+                for tool_chunk in chunks:
+                    if scores is not None:
+                        tool_chunk["choices"][0]["logprobs"] = scores.take(index)
+                    if ids is not None:
+                        ids.mark(tool_chunk, index)
+                    yield fmt.sse(tool_chunk)
+                continue
             if tools is not None:
                 for tool_chunk in tools.chunks(index, delta.text, delta.finish_reason):
                     if scores is not None:

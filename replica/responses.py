@@ -39,6 +39,7 @@ from replica.respond import (
     event_stream,
 )
 from replica.state import Replica
+from replica.tool_output import forced_calls
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
 
 
@@ -104,7 +105,11 @@ class Turn:
     def finish(self, out: RequestOutput, replica: Replica) -> dict[str, Any]:
         """The whole response; stored with its conversation when ``store``."""
         text = out.choices[0].text
-        content, calls = parse_hermes(text) if self.job.parse_tools else (text, [])
+        content: str | None
+        if self.job.forced_tools:  # the text is the calls' JSON (a forced tool choice)
+            content, calls = "", forced_calls(text, self.job.forced_tool_name)
+        else:
+            content, calls = parse_hermes(text) if self.job.parse_tools else (text, [])
         calls = calls[:1] if self.job.single_tool_call else calls
         message = message_item(_id("msg"), content) if content else None
         if message is not None and self.job.params.logprobs is not None:
@@ -224,11 +229,18 @@ async def _events(turn: Turn, handle: RequestHandle, replica: Replica) -> AsyncI
     calls: list[ParsedCall] = []
     items: list[dict[str, Any]] = []
     scored: list[TokenLogprob] = []  # tokens whose text has not gone out yet
+    forced = ""  # a forced tool choice's text: its calls go out when it ends
     async for delta in handle:
         turn.clock.tick(len(delta.token_ids), replica.metrics)
         scored += delta.logprobs or []
-        content, done = parser.feed(delta.text) if parser is not None else (delta.text, [])
-        if delta.finish_reason is not None and parser is not None:
+        if turn.job.forced_tools:
+            forced += delta.text
+            if delta.finish_reason is None:
+                continue
+            content, done = "", forced_calls(forced, turn.job.forced_tool_name)
+        else:
+            content, done = parser.feed(delta.text) if parser is not None else (delta.text, [])
+        if delta.finish_reason is not None and parser is not None and not turn.job.forced_tools:
             tail, more = parser.finish()
             content, done = content + tail, [*done, *more]
         if content:

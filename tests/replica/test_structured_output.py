@@ -18,7 +18,7 @@ from replica.engine import Engine, EngineConfig
 from replica.grammar import Grammars, GrammarSpec, spec_from_fields
 from replica.models import load_model
 from replica.request import SamplingParams
-from tests.replica.conftest import MODEL, ReplicaProcess, start_replica
+from tests.replica.conftest import MODEL, REPO, ReplicaProcess, start_replica
 
 CHAT: Any = [{"role": "user", "content": "Answer the question about the harbour."}]
 PERSON = {
@@ -30,7 +30,16 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
-    rep = start_replica(tmp_path_factory.mktemp("structured"))
+    """A tiny-random replica that parses tool calls (forced tool choices need it, as
+    vLLM's need ``--tool-call-parser``)."""
+    template = str(REPO / "tests" / "support" / "tool_template.jinja")
+    rep = start_replica(
+        tmp_path_factory.mktemp("structured"),
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        template,
+    )
     yield rep
     stop_process(rep.proc)
 
@@ -152,3 +161,74 @@ def test_json_constraints_on_smollm2_parse_as_asked() -> None:
         assert engine.cache.stats().pinned_blocks == 0
     finally:
         engine.stop(timeout=30)
+
+
+PORTS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "tide",
+            "parameters": {
+                "type": "object",
+                "properties": {"port": {"type": "string", "enum": ["Hull", "Leith"]}},
+                "required": ["port"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "weather"}},
+]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
+    """SmolLM2 with the tool parser: a random model wanders in a JSON grammar's free
+    whitespace (as vLLM's default grammar allows) and runs out of tokens."""
+    template = str(REPO / "tests" / "support" / "tool_template.jinja")
+    rep = start_replica(
+        tmp_path_factory.mktemp("structured-smol"),
+        "--model",
+        "smollm2-135m",
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        template,
+    )
+    yield rep
+    stop_process(rep.proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "tide"}}, "required"])
+def test_forced_tool_choices_call_as_vllm_does(smol: ReplicaProcess, choice: Any) -> None:
+    """A named function or ``required``: the answer is decoded under the calls' grammar
+    (vLLM's schema) and comes back as calls, content "" (finish ``stop`` for a named
+    function, ``tool_calls`` for ``required``, as OpenAI and vLLM answer); streamed, the
+    calls come whole at the end. They were a 400 ("needs constrained decoding")."""
+    extra = {"tools": PORTS, "tool_choice": choice, "max_tokens": 64, "model": "smollm2-135m"}
+    whole = _chat(smol, **extra)
+    assert whole.status_code == 200, whole.text
+    answer = whole.json()["choices"][0]
+    message = answer["message"]
+    assert message["content"] == "" and message["tool_calls"], answer
+    names = [c["function"]["name"] for c in message["tool_calls"]]
+    for call in message["tool_calls"]:
+        arguments = json.loads(call["function"]["arguments"])
+        assert isinstance(arguments, dict)
+        if call["function"]["name"] == "tide":
+            assert arguments["port"] in ("Hull", "Leith")
+    if choice == "required":
+        assert answer["finish_reason"] == "tool_calls" and set(names) <= {"tide", "weather"}
+    else:
+        assert answer["finish_reason"] == "stop" and names == ["tide"]
+    streamed = _chat(smol, stream=True, **extra)
+    calls = [
+        c
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+        for ch in json.loads(line[6:])["choices"]
+        for c in ch["delta"].get("tool_calls") or []
+    ]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+    ]
