@@ -232,3 +232,27 @@ def test_forced_tool_choices_call_as_vllm_does(smol: ReplicaProcess, choice: Any
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
     ]
+
+
+@pytest.mark.slow
+def test_a_forced_tool_choice_on_the_responses_api(smol: ReplicaProcess) -> None:
+    """The Responses API's forced function: a function_call item, whole and streamed."""
+    client = smol.client(timeout=60)
+    kwargs: Any = {
+        "model": "smollm2-135m",
+        "input": "What are the tides at Hull?",
+        "tools": [{"type": "function", **PORTS[0]["function"]}],
+        "tool_choice": {"type": "function", "name": "tide"},
+        "max_output_tokens": 64,
+        "temperature": 0,
+    }
+    whole = client.responses.create(**kwargs)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["tide"], whole.output
+    assert json.loads(calls[0].arguments)["port"] in ("Hull", "Leith")  # type: ignore[union-attr]
+    done = [
+        event.item
+        for event in client.responses.create(stream=True, **kwargs)
+        if event.type == "response.output_item.done" and event.item.type == "function_call"
+    ]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]  # type: ignore[union-attr]
