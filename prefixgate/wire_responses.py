@@ -180,6 +180,20 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     return choice
 
 
+def _response_format(text: object) -> dict[str, Any] | None:
+    """The Responses API's ``text.format`` as Chat Completions' ``response_format``
+    (vLLM's mapping): a JSON schema, a JSON object, or None for plain text."""
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict):
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": schema}
+    return None
+
+
 def chat_body(
     req: ResponsesRequest, history: list[dict[str, Any]], lenient: bool = False
 ) -> dict[str, Any]:
@@ -199,6 +213,7 @@ def chat_body(
         "top_p": req.top_p,
         "parallel_tool_calls": req.parallel_tool_calls,
         "cache_salt": getattr(req, "cache_salt", None),
+        "response_format": _response_format(getattr(req, "text", None)),
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     return body

@@ -87,6 +87,19 @@ T = TypeVar("T")
 INLINE_BODY_BYTES = 32 * 1024  # a request up to this size becomes a job on the event loop
 
 
+# Keys of a body that may ask for a grammar: compiling one (and, the first time, loading
+# xgrammar: about 2 s) must not hold the event loop, so such a body is built off it.
+_GRAMMAR_KEYS = (b'"response_format"', b'"structured_outputs"', b'"tool_choice"', b'"text"')
+
+
+def work_size(raw: bytes) -> int:
+    """What building a job from ``raw`` weighs for ``off_loop_if_large``: its size, or
+    more than inline when it may ask for a grammar."""
+    if any(key in raw for key in _GRAMMAR_KEYS):
+        return max(len(raw), INLINE_BODY_BYTES + 1)
+    return len(raw)
+
+
 async def off_loop_if_large(size: int, work: Callable[[], T]) -> T:
     """``work()`` on the event loop for a request of up to ``INLINE_BODY_BYTES``, else in
     a worker thread: parsing, rendering and BPE cost in proportion to the text, and 2 MiB

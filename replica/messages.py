@@ -35,7 +35,7 @@ from prefixgate.json_body import load_json_object
 from prefixgate.wire import OpenAIError
 from prefixgate.wire_messages import chat_request, error_payload
 from replica.handle import RequestHandle
-from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
+from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large, work_size
 from replica.request import RequestOutput
 from replica.respond import _engine_error, _observe, _submit, collect_whole, event_stream
 from replica.state import Replica
@@ -133,7 +133,7 @@ async def create(request: Request, replica: Replica) -> Response:
         body = load_json_object(raw)
         return job_from_chat(chat_request(body), replica), body.get("stream") is True
 
-    job, stream = await off_loop_if_large(len(raw), read)
+    job, stream = await off_loop_if_large(work_size(raw), read)
     message = Message(job, int(replica.engine.pool.block_size))
     handle = _submit(job, replica)
     if stream:
@@ -214,7 +214,7 @@ async def count_tokens(request: Request, replica: Replica) -> dict[str, Any]:
         body = {**load_json_object(raw), "max_tokens": 1, "tool_choice": {"type": "none"}}
         return job_from_chat(chat_request(body), replica)
 
-    job = await off_loop_if_large(len(raw), read)
+    job = await off_loop_if_large(work_size(raw), read)
     count = len(job.prompt_ids)
     return {"input_tokens": count, "context_management": {"original_input_tokens": count}}
 

@@ -28,7 +28,7 @@ from prefixgate.wire import OpenAIError, parse_request
 from prefixgate.wire_responses import ResponsesRequest, chat_body, input_messages
 from replica import logprobs_format as lf
 from replica.handle import RequestHandle
-from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large
+from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large, work_size
 from replica.request import MAX_LOGPROBS, RequestOutput, TokenLogprob
 from replica.respond import (
     _decoder,
@@ -169,7 +169,7 @@ async def create(request: Request, replica: Replica) -> Response:
         len(raw), lambda: parse_request(ResponsesRequest, load_json_body(raw))
     )
     history: list[dict[str, Any]] = []
-    size = len(raw)  # what rendering and encoding will cost: the request and its history
+    size = work_size(raw)  # what building the job will cost: the request and its history
     if req.previous_response_id is not None:
         previous = replica.responses.get(req.previous_response_id)  # (the store is the loop's)
         if previous is None:

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
-from replica.jobs import job_from_chat, jobs_from_completion, off_loop_if_large
+from replica.jobs import job_from_chat, jobs_from_completion, off_loop_if_large, work_size
 from replica.messages import add_messages_routes
 from replica.respond import run_batch, run_job
 from replica.responses import add_response_routes
@@ -158,14 +158,16 @@ def create_app(replica: Replica) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         raw = await request.body()
-        job = await off_loop_if_large(len(raw), lambda: job_from_chat(load_json_body(raw), replica))
+        job = await off_loop_if_large(
+            work_size(raw), lambda: job_from_chat(load_json_body(raw), replica)
+        )
         return await run_job(job, request, replica)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         raw = await request.body()
         jobs = await off_loop_if_large(
-            len(raw), lambda: jobs_from_completion(load_json_body(raw), replica)
+            work_size(raw), lambda: jobs_from_completion(load_json_body(raw), replica)
         )
         if len(jobs) > 1:
             return await run_batch(jobs, request, replica)
