@@ -262,12 +262,13 @@ def test_a_forced_tool_choice_on_the_responses_api(smol: ReplicaProcess) -> None
 def test_the_responses_api_text_format(smol: ReplicaProcess) -> None:
     """The Responses API's ``text.format`` JSON schema, as vLLM maps it to the chat's
     ``response_format`` (the replica ignored it before)."""
-    out = smol.client(timeout=60).responses.create(
-        model="smollm2-135m",
-        input="Give a person's name and age as JSON.",
-        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
-        max_output_tokens=60,
-        temperature=0,
-    )
+    kwargs: Any = {
+        "model": "smollm2-135m",
+        "input": "Give a person's name and age as JSON.",
+        "text": {"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+        "max_output_tokens": 60,
+        "temperature": 0,
+    }
+    out = smol.client(timeout=60).responses.create(**kwargs)
     value = json.loads(out.output_text)
     assert list(value) == ["name", "age"] and isinstance(value["age"], int)
