@@ -89,13 +89,13 @@ INLINE_BODY_BYTES = 32 * 1024  # a request up to this size becomes a job on the 
 
 # Keys of a body that may ask for a grammar: compiling one (and, the first time, loading
 # xgrammar: about 2 s) must not hold the event loop, so such a body is built off it.
-_GRAMMAR_KEYS = (b'"response_format"', b'"structured_outputs"', b'"tool_choice"', b'"text"')
+_GRAMMAR_KEYS = (b'"response_format"', b'"structured_outputs"', b'"tool_choice"')
 
 
-def work_size(raw: bytes) -> int:
+def work_size(raw: bytes, keys: tuple[bytes, ...] = _GRAMMAR_KEYS) -> int:
     """What building a job from ``raw`` weighs for ``off_loop_if_large``: its size, or
-    more than inline when it may ask for a grammar."""
-    if any(key in raw for key in _GRAMMAR_KEYS):
+    more than inline when it may ask for a grammar (has one of ``keys``)."""
+    if any(key in raw for key in keys):
         return max(len(raw), INLINE_BODY_BYTES + 1)
     return len(raw)
 

@@ -169,7 +169,9 @@ async def create(request: Request, replica: Replica) -> Response:
         len(raw), lambda: parse_request(ResponsesRequest, load_json_body(raw))
     )
     history: list[dict[str, Any]] = []
-    size = work_size(raw)  # what building the job will cost: the request and its history
+    # What building the job will cost: the request and its history (and a grammar, for
+    # a forced tool or a ``text.format``).
+    size = work_size(raw, (b'"tool_choice"', b'"format"'))
     if req.previous_response_id is not None:
         previous = replica.responses.get(req.previous_response_id)  # (the store is the loop's)
         if previous is None:

@@ -16,6 +16,7 @@ import pytest
 from prefixgate.procs import stop_process
 from replica.engine import Engine, EngineConfig
 from replica.grammar import Grammars, GrammarSpec, spec_from_fields
+from replica.jobs import INLINE_BODY_BYTES, work_size
 from replica.models import load_model
 from replica.request import SamplingParams
 from tests.replica.conftest import MODEL, REPO, ReplicaProcess, start_replica
@@ -272,3 +273,13 @@ def test_the_responses_api_text_format(smol: ReplicaProcess) -> None:
     out = smol.client(timeout=60).responses.create(**kwargs)
     value = json.loads(out.output_text)
     assert list(value) == ["name", "age"] and isinstance(value["age"], int)
+
+
+def test_a_body_that_may_ask_for_a_grammar_is_built_off_the_event_loop() -> None:
+    """Compiling a grammar, and loading xgrammar the first time (about 2 s), must not
+    hold the loop that streams every other answer of the replica."""
+    small = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+    assert work_size(small) == len(small) <= INLINE_BODY_BYTES
+    for key in ("response_format", "structured_outputs", "tool_choice"):
+        body = json.dumps({"model": MODEL, "messages": CHAT, key: None}).encode()
+        assert work_size(body) > INLINE_BODY_BYTES
