@@ -38,6 +38,10 @@ def spec_from_fields(
     if response_format is None:
         return None
     kind = response_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(
+            f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+        )
     if kind == "json_object":
         return GrammarSpec("json_object")
     if kind == "json_schema":

@@ -243,13 +243,19 @@ def _forced_tools(req: ChatCompletionRequest) -> tuple[GrammarSpec | None, str |
 def _grammar(req: ChatCompletionRequest | CompletionRequest, replica: Replica) -> Any:
     """The compiled grammar of the structured output a request asks for (vLLM's
     ``response_format`` and ``structured_outputs``), or None."""
-    response_format = getattr(req, "response_format", None)
-    structured = (req.model_extra or {}).get("structured_outputs")
+    extra = req.model_extra or {}
+    structured = extra.get("structured_outputs")
     param = "structured_outputs" if structured is not None else "response_format"
+    response_format: Any
+    if isinstance(req, ChatCompletionRequest):  # a chat's is a checked field
+        fmt_field = req.response_format
+        response_format = None if fmt_field is None else fmt_field.model_dump()
+    else:  # a completion's comes as sent (vLLM takes it there too)
+        response_format = extra.get("response_format")
     try:
-        spec = spec_from_fields(
-            None if response_format is None else response_format.model_dump(), structured
-        )
+        if response_format is not None and not isinstance(response_format, dict):
+            raise ValueError("response_format must be an object with a type")
+        spec = spec_from_fields(response_format, structured)
     except ValueError as exc:
         raise OpenAIError(str(exc), param=param, code="invalid_value") from exc
     if spec is None:

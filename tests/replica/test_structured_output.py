@@ -283,3 +283,13 @@ def test_a_body_that_may_ask_for_a_grammar_is_built_off_the_event_loop() -> None
     for key in ("response_format", "structured_outputs", "tool_choice"):
         body = json.dumps({"model": MODEL, "messages": CHAT, key: None}).encode()
         assert work_size(body) > INLINE_BODY_BYTES
+
+
+@pytest.mark.parametrize("value", [0.0, "json", {"type": 5}, {"type": "structural_tag"}])
+def test_a_completions_response_format_is_checked(replica: ReplicaProcess, value: Any) -> None:
+    """A completion's ``response_format`` arrives unchecked (it is no field of the wire's
+    completion): a number there was a 500 (found by tests/test_fuzz_servers.py)."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "response_format": value}
+    answer = httpx.post(replica.url + "/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "response_format"
