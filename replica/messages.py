@@ -39,6 +39,7 @@ from replica.jobs import Job, JobClock, job_from_chat, off_loop_if_large, work_s
 from replica.request import RequestOutput
 from replica.respond import _engine_error, _observe, _submit, collect_whole, event_stream
 from replica.state import Replica
+from replica.tool_output import forced_calls
 from replica.tool_parser import HermesStream, ParsedCall, parse_hermes
 
 
@@ -111,7 +112,11 @@ class Message:
 
     def finish(self, out: RequestOutput) -> dict[str, Any]:
         text = out.choices[0].text
-        content, calls = parse_hermes(text) if self.job.parse_tools else (text, [])
+        content: str | None
+        if self.job.forced_tools:  # tool_choice any or tool: the text is the calls' JSON
+            content, calls = "", forced_calls(text, self.job.forced_tool_name)
+        else:
+            content, calls = parse_hermes(text) if self.job.parse_tools else (text, [])
         calls = calls[:1] if self.job.single_tool_call else calls
         blocks = [{"type": "text", "text": content}] if content else []
         blocks += [tool_use(call) for call in calls]
@@ -152,6 +157,7 @@ async def _events(
     index = -1  # the open content block's, or the last one's
     text_open = started = False
     calls: list[ParsedCall] = []
+    forced = ""  # a forced tool choice's text: its calls go out when it ends
     async for delta in handle:
         message.clock.tick(len(delta.token_ids), replica.metrics)
         if not started:  # the first token: the prefill is over
@@ -159,8 +165,13 @@ async def _events(
             start = message.body([], None, False)
             start["usage"] = {"input_tokens": handle.prompt_tokens, "output_tokens": 0}
             yield sse("message_start", {"message": start})
-        text, done = parser.feed(delta.text) if parser is not None else (delta.text, [])
-        if delta.finish_reason is not None and parser is not None:
+        if job.forced_tools:
+            forced += delta.text
+            text = ""
+            done = [] if delta.finish_reason is None else forced_calls(forced, job.forced_tool_name)
+        else:
+            text, done = parser.feed(delta.text) if parser is not None else (delta.text, [])
+        if delta.finish_reason is not None and parser is not None and not job.forced_tools:
             tail, more = parser.finish()
             text, done = text + tail, [*done, *more]
         if text:

@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 
@@ -293,3 +294,33 @@ def test_a_completions_response_format_is_checked(replica: ReplicaProcess, value
     answer = httpx.post(replica.url + "/v1/completions", json=body, timeout=30)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "tide"}, {"type": "any"}])
+def test_a_forced_tool_choice_on_the_messages_api(smol: ReplicaProcess, choice: Any) -> None:
+    """Anthropic's ``tool_choice`` ``tool`` and ``any`` are the chat's named function and
+    ``required``: the answer is ``tool_use`` blocks, whole and streamed, not their JSON as
+    text (which it was, once forced choices were decoded, before this was taken care of)."""
+    client = anthropic.Anthropic(base_url=smol.url, api_key="x", max_retries=0)
+    tool = PORTS[0]["function"]
+    kwargs: Any = {
+        "model": "smollm2-135m",
+        "max_tokens": 64,
+        "extra_body": {"temperature": 0},  # (this client version takes no temperature)
+        "messages": [{"role": "user", "content": "What are the tides at Hull?"}],
+        "tools": [{"name": tool["name"], "input_schema": tool["parameters"]}],
+        "tool_choice": choice,
+    }
+    whole = client.messages.create(**kwargs)
+    uses = [b for b in whole.content if b.type == "tool_use"]
+    assert whole.stop_reason == "tool_use" and uses, whole.content
+    assert {u.name for u in uses} == {"tide"}  # (any: parallel calls allowed)
+    assert len(uses) == 1 or choice["type"] == "any"
+    assert all(u.input["port"] in ("Hull", "Leith") for u in uses)  # type: ignore[index]
+    assert not [b for b in whole.content if b.type == "text" and b.text]
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [  # type: ignore[union-attr]
+        (u.name, u.input) for u in uses
+    ]
