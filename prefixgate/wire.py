@@ -127,11 +127,16 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
 
     @property
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives per prompt token's log probability; None: the prompt is not scored."""
+        return self.prompt_logprobs
+
+    @property
     def scores_prompt(self) -> bool:
         """Whether the engine scores the prompt's tokens: it then computes the whole
         prompt, whatever its cache holds (vLLM skips its cache lookup; so does the
         replica), so no replica starts it sooner for holding its prefix."""
-        return self.prompt_logprobs is not None
+        return self.prompt_logprobs_count is not None
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -284,10 +289,6 @@ class CompletionRequest(_SamplingFields):
     def logprobs_count(self) -> int | None:
         """Alternatives per generated token's log probability; None: no log probabilities."""
         return self.logprobs
-
-    @property
-    def scores_prompt(self) -> bool:
-        return self.prompt_logprobs_count is not None
 
     @property
     def prompt_logprobs_count(self) -> int | None:

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 MAX_COMPILED = 64  # grammars kept compiled (a tool-using client sends the same few again)
+MAX_KEPT_SOURCE = 64 * 1024  # a larger spec is compiled for its request and not kept:
+# 64 bodies' worth of 16 MiB schemas must not stay in memory
 
 
 class GrammarSpec(NamedTuple):
@@ -110,6 +112,8 @@ class Grammars:
             compiled = _compile(compiler, spec)
         except Exception as exc:  # xgrammar raises its own errors for bad schemas/regexes
             raise ValueError(f"the {spec.kind} constraint does not compile: {exc}") from exc
+        if len(spec.source) > MAX_KEPT_SOURCE:
+            return compiled
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > MAX_COMPILED:

@@ -431,9 +431,7 @@ def _sampling(
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         logprobs=req.logprobs_count,
-        prompt_logprobs=(
-            req.prompt_logprobs_count if isinstance(req, CompletionRequest) else req.prompt_logprobs
-        ),
+        prompt_logprobs=req.prompt_logprobs_count,
     )
 
 

@@ -76,6 +76,9 @@ class SamplingParams:
     # Structured output: a compiled grammar (replica.grammar) every choice must follow;
     # None for free text.
     grammar: Any = None
+    # The sampler's ``allowed_token_ids`` as a logits mask, made at its first draw (not
+    # at every token: the list may be the whole vocabulary).
+    allowed_mask: Any = field(default=None, repr=False, compare=False)
 
     @property
     def greedy(self) -> bool:

@@ -382,23 +382,18 @@ async def _stream(
                 ids.add(index, delta)
             if not delta.text and delta.finish_reason is None and not echo:
                 continue  # held back (a stop string may be starting): its scores wait too
-            if tools is not None and job.forced_tools:
-                # The calls' JSON is held to the grammar: sent as calls when it ends.
-                forced[index] = forced.get(index, "") + delta.text
-                if delta.finish_reason is None:
-                    continue
-                chunks = tools.forced(
-                    index, forced.pop(index), delta.finish_reason, job.forced_tool_name
-                )
-                for tool_chunk in chunks:
-                    if scores is not None:
-                        tool_chunk["choices"][0]["logprobs"] = scores.take(index)
-                    if ids is not None:
-                        ids.mark(tool_chunk, index)
-                    yield fmt.sse(tool_chunk)
-                continue
             if tools is not None:
-                for tool_chunk in tools.chunks(index, delta.text, delta.finish_reason):
+                if job.forced_tools:
+                    # The calls' JSON is held to the grammar: sent as calls when it ends.
+                    forced[index] = forced.get(index, "") + delta.text
+                    if delta.finish_reason is None:
+                        continue
+                    tool_chunks = tools.forced(
+                        index, forced.pop(index), delta.finish_reason, job.forced_tool_name
+                    )
+                else:
+                    tool_chunks = tools.chunks(index, delta.text, delta.finish_reason)
+                for tool_chunk in tool_chunks:
                     if scores is not None:
                         tool_chunk["choices"][0]["logprobs"] = scores.take(index)
                     if ids is not None:

@@ -88,8 +88,12 @@ def adjust_logits(
     ``banned`` ones masked, ``logit_bias`` and the penalties applied."""
     vocab = scores.shape[0]
     if params.allowed_token_ids is not None:
-        allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
-        mask = torch.full_like(scores, float("-inf")).index_fill(0, allowed, 0.0)
+        mask = params.allowed_mask
+        if mask is None or mask.shape[0] != vocab:
+            kept = [t for t in params.allowed_token_ids if t < vocab]
+            allowed = torch.tensor(kept, dtype=torch.long)
+            mask = torch.full_like(scores, float("-inf")).index_fill(0, allowed, 0.0)
+            params.allowed_mask = mask
         scores = scores + mask
     if banned:
         ids = torch.tensor([t for t in banned if t < vocab], dtype=torch.long)

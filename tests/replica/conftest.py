@@ -80,6 +80,15 @@ def start_replica(log_dir: Path, *args: str, redis_url: str | None = None) -> Re
     return replica
 
 
+def tool_replica(log_dir: Path, *args: str) -> Iterator[ReplicaProcess]:
+    """A replica that parses tool calls (``--tool-call-parser hermes``) under the
+    tool-aware test template, for a module fixture to yield from; stopped after."""
+    template = str(REPO / "tests" / "support" / "tool_template.jinja")
+    rep = start_replica(log_dir, "--tool-call-parser", "hermes", "--chat-template", template, *args)
+    yield rep
+    stop_process(rep.proc)
+
+
 @pytest.fixture(scope="module")
 def replica(
     tmp_path_factory: pytest.TempPathFactory, module_redis: RedisServer

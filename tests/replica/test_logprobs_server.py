@@ -13,8 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixgate.procs import stop_process
-from tests.replica.conftest import MODEL, REPO, ReplicaProcess, start_replica
+from tests.replica.conftest import MODEL, ReplicaProcess, tool_replica
 
 CHAT: Any = [{"role": "user", "content": "Say something about the sea, briefly."}]
 TOOLS: Any = [
@@ -32,16 +31,7 @@ TOOLS: Any = [
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
     """A tiny-random replica that parses tool calls (for the tool-parsed stream)."""
-    template = str(REPO / "tests" / "support" / "tool_template.jinja")
-    rep = start_replica(
-        tmp_path_factory.mktemp("logprobs"),
-        "--tool-call-parser",
-        "hermes",
-        "--chat-template",
-        template,
-    )
-    yield rep
-    stop_process(rep.proc)
+    yield from tool_replica(tmp_path_factory.mktemp("logprobs"))
 
 
 def _content(logprobs: Any) -> list[Any]:

@@ -156,3 +156,14 @@ def test_allowed_ids_and_bans_mask_greedy_and_sampled_draws() -> None:
     gen = make_generator(sampled, 0)
     seen = {sample_token(logits, sampled, gen, banned={order[0]}) for _ in range(300)}
     assert seen <= set(order[1:6]) and len(seen) > 1
+
+
+def test_the_allowed_ids_mask_is_made_once_per_request() -> None:
+    """The list may be the whole vocabulary: it is turned into a mask at the first draw,
+    not at every token."""
+    logits = _logits()
+    params = SamplingParams(temperature=0.0, allowed_token_ids=list(range(0, 500, 7)))
+    first = sample_token(logits, params, None)
+    mask = params.allowed_mask
+    assert mask is not None and first % 7 == 0
+    assert sample_token(logits, params, None) == first and params.allowed_mask is mask

@@ -14,13 +14,12 @@ import anthropic
 import httpx
 import pytest
 
-from prefixgate.procs import stop_process
 from replica.engine import Engine, EngineConfig
 from replica.grammar import Grammars, GrammarSpec, spec_from_fields
 from replica.jobs import INLINE_BODY_BYTES, work_size
 from replica.models import load_model
 from replica.request import SamplingParams
-from tests.replica.conftest import MODEL, REPO, ReplicaProcess, start_replica
+from tests.replica.conftest import MODEL, ReplicaProcess, tool_replica
 
 CHAT: Any = [{"role": "user", "content": "Answer the question about the harbour."}]
 PERSON = {
@@ -34,16 +33,7 @@ PERSON = {
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
     """A tiny-random replica that parses tool calls (forced tool choices need it, as
     vLLM's need ``--tool-call-parser``)."""
-    template = str(REPO / "tests" / "support" / "tool_template.jinja")
-    rep = start_replica(
-        tmp_path_factory.mktemp("structured"),
-        "--tool-call-parser",
-        "hermes",
-        "--chat-template",
-        template,
-    )
-    yield rep
-    stop_process(rep.proc)
+    yield from tool_replica(tmp_path_factory.mktemp("structured"))
 
 
 def _chat(replica: ReplicaProcess, stream: bool = False, **extra: Any) -> httpx.Response:
@@ -186,18 +176,7 @@ PORTS: Any = [
 def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
     """SmolLM2 with the tool parser: a random model wanders in a JSON grammar's free
     whitespace (as vLLM's default grammar allows) and runs out of tokens."""
-    template = str(REPO / "tests" / "support" / "tool_template.jinja")
-    rep = start_replica(
-        tmp_path_factory.mktemp("structured-smol"),
-        "--model",
-        "smollm2-135m",
-        "--tool-call-parser",
-        "hermes",
-        "--chat-template",
-        template,
-    )
-    yield rep
-    stop_process(rep.proc)
+    yield from tool_replica(tmp_path_factory.mktemp("structured-smol"), "--model", "smollm2-135m")
 
 
 @pytest.mark.slow
@@ -324,3 +303,17 @@ def test_a_forced_tool_choice_on_the_messages_api(smol: ReplicaProcess, choice: 
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [  # type: ignore[union-attr]
         (u.name, u.input) for u in uses
     ]
+
+
+def test_a_large_spec_is_compiled_but_not_kept() -> None:
+    """Compiled grammars are kept by spec; one from a spec over 64 KiB is not, so 64
+    bodies of large schemas stay out of memory."""
+    from prefixgate.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.for_model(MODEL)
+    grammars = Grammars(tok.tokenizer, tok.vocab_size, tok.eos_token_ids)
+    small = GrammarSpec("json_schema", json.dumps(PERSON))
+    large = GrammarSpec("json_schema", json.dumps({**PERSON, "description": "x" * 70_000}))
+    assert grammars.compile(small) is grammars.compile(small)  # kept: compiled once
+    assert grammars.compile(large) is not None
+    assert grammars.compile(large) is not grammars.compile(large)  # not kept
