@@ -19,6 +19,7 @@ class Exchange:
     request_id: str
     endpoint: str
     started: float  # time.perf_counter() at arrival
+    id_given: bool = True  # the request id is the client's (its x-request-id header)
     tenant: str = ""
     model: str = ""
     stream: bool = False

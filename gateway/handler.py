@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -29,6 +29,7 @@ from gateway.exchange import Exchange
 from gateway.proxy import Forward, forward, forward_headers
 from gateway.reply import send_json
 from gateway.state import GatewayState
+from prefixgate.guard import REQUEST_ID_MADE, REQUEST_ID_OK
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import (
     ChatCompletionRequest,
@@ -68,12 +69,33 @@ def open_exchange(scope: Scope, endpoint: str) -> tuple[dict[str, str], Exchange
     with the client's request id or a new one."""
     # ASGI servers hand header names lowercased; latin-1 is HTTP's byte-for-byte decoding.
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    given = headers.get("x-request-id")
     ex = Exchange(
-        request_id=headers.get("x-request-id") or os.urandom(16).hex(),  # uuid4: 4x the cost
+        request_id=given or os.urandom(16).hex(),  # uuid4: 4x the cost
         endpoint=endpoint,
         started=time.perf_counter(),
+        id_given=given is not None and not scope.get(REQUEST_ID_MADE, False),
     )
     return headers, ex
+
+
+def upstream_request_id(ex: Exchange, body: dict[str, Any]) -> str | None:
+    """The ``x-request-id`` to send upstream (None: none).
+
+    vLLM names a request by its ``x-request-id`` header, else by the body's
+    ``request_id``: the id its answer carries (``chatcmpl-ID``, ``generate-tokens-ID``)
+    and the id an abort takes. A client that set only the body's found the gateway's own
+    id in its place. So where the client sent no header and the body names the request,
+    the body's id is the request's: sent as the header when it can be one (and then the
+    exchange's too: the log line and the answer's ``x-request-id``), else no header goes.
+    """
+    named = body.get("request_id")
+    if ex.id_given or not isinstance(named, str) or not named:
+        return ex.request_id
+    if REQUEST_ID_OK.fullmatch(named.encode("utf-8", "replace")) is None:
+        return None
+    ex.request_id = named
+    return named
 
 
 class ServedModel(NamedTuple):
@@ -203,7 +225,9 @@ async def _serve(
         model=route_model,
         path=path,
         body=raw,
-        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
+        headers=forward_headers(
+            upstream_request_id(ex, body), state.upstream_authorization(headers)
+        ),
         stream=parsed.stream,
     )
     await forward_watched(state, ex, request, receive, send)

@@ -15,6 +15,8 @@ its own 404).
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
@@ -24,6 +26,7 @@ from gateway.handler import (
     open_exchange,
     read_body,
     unknown_model,
+    upstream_request_id,
 )
 from gateway.messages import read_x_api_key
 from gateway.proxy import Forward, forward_headers
@@ -46,6 +49,14 @@ PASSTHROUGH_PATHS: dict[str, str] = {
     "/v2/rerank": "rerank",
     COUNT_TOKENS_PATH: "count_tokens",  # Anthropic's (gateway/messages.py)
     "/tokenizer_info": "tokenizer_info",  # a GET: the one model's tokenizer configuration
+    # vLLM's scale-out split (--enable-scale-out): a request rendered to token ids (for
+    # /inference/v1/generate: gateway/tokens_api.py), and token ids made an answer again
+    "/v1/chat/completions/render": "render",
+    "/v1/completions/render": "render",
+    "/v1/messages/render": "render",
+    "/v1/responses/render": "render",  # before the Responses API's own paths
+    "/v1/chat/completions/derender": "derender",
+    "/v1/completions/derender": "derender",
 }
 # GETs: no body, so the model is the one the replicas serve (lm-evaluation-harness reads
 # ``/tokenizer_info`` to tokenize through the server, as vLLM offers with
@@ -77,11 +88,12 @@ async def _serve(
         )
     read_x_api_key(headers)
     ex.tenant = state.auth.authenticate(headers.get("authorization")).name
-    if method == "GET":
-        raw, model = b"", None
-    else:
+    body: dict[str, Any] = {}
+    raw = b""
+    if method == "POST":
         raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
-        model = load_json_object(raw).get("model")
+        body = load_json_object(raw)
+    model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")
     if model is None:
@@ -98,7 +110,9 @@ async def _serve(
         model=model,
         path=path,
         body=raw,
-        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
+        headers=forward_headers(
+            upstream_request_id(ex, body), state.upstream_authorization(headers)
+        ),
         stream=False,
         method=method,
     )

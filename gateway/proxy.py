@@ -409,10 +409,13 @@ def split_complete_events(data: bytes) -> tuple[bytes, bytes]:
     return data[:end], data[end:]
 
 
-def forward_headers(request_id: str, authorization: str | None) -> dict[str, str]:
-    """Headers sent upstream: the content type, the request id, and the Authorization a
-    keyed replica needs (``GatewayState.upstream_authorization``)."""
-    out = {"content-type": "application/json", "x-request-id": request_id}
+def forward_headers(request_id: str | None, authorization: str | None) -> dict[str, str]:
+    """Headers sent upstream: the content type, the request id (None: none, the body's
+    ``request_id`` names the request: gateway/handler.py ``upstream_request_id``), and
+    the Authorization a keyed replica needs (``GatewayState.upstream_authorization``)."""
+    out = {"content-type": "application/json"}
+    if request_id is not None:
+        out["x-request-id"] = request_id
     if authorization:
         out["authorization"] = authorization
     return out

@@ -37,6 +37,8 @@ from prefixgate.wire import error_body
 log = logging.getLogger("prefixgate.guard")
 
 REQUEST_ID_OK = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+# Set in the scope when the request id is the guard's, not the client's.
+REQUEST_ID_MADE = "prefixgate.request_id_made"
 
 
 @dataclass(slots=True, frozen=True)
@@ -149,6 +151,7 @@ def _settle_headers(scope: Scope) -> tuple[bytes, bytes | None, bytes | None, bo
             chunked = True
     if request_id is None or not REQUEST_ID_OK.fullmatch(request_id):
         request_id = os.urandom(16).hex().encode()  # uuid4() costs 4x as much
+        scope[REQUEST_ID_MADE] = True
         scope["headers"] = [
             *((k, v) for k, v in scope["headers"] if k != b"x-request-id"),
             (b"x-request-id", request_id),

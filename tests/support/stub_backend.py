@@ -121,6 +121,7 @@ class StubBackend:
         elif method == "POST" and path == "/v1/responses":
             await self._responses(scope, receive, send)
         else:
+            self._remember({"path": path, "method": method, "status": 404})
             await _send(
                 send, 404, json.dumps(_error("not found", "invalid_request_error")).encode()
             )
