@@ -31,6 +31,7 @@ from replica.respond import run_batch, run_job
 from replica.responses import add_response_routes
 from replica.state import Replica
 from replica.tokenize_api import add_tokenize_routes
+from replica.tokens_api import add_tokens_routes
 
 log = logging.getLogger("prefixgate.replica.server")
 
@@ -176,6 +177,7 @@ def create_app(replica: Replica) -> FastAPI:
     add_response_routes(app, replica)
     add_tokenize_routes(app, replica)
     add_messages_routes(app, replica)
+    add_tokens_routes(app, replica)
     return app
 
 
