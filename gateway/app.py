@@ -1,8 +1,9 @@
 """The gateway's ASGI app: OpenAI endpoints, health, readiness and metrics.
 
 ``GatewayApp`` sends the two hot paths (chat and text completions) to the raw ASGI
-handler in gateway/handler.py, the Responses API to gateway/responses.py (raw ASGI too:
-the same proxy), and everything else, lifespan included, to a FastAPI app.
+handler in gateway/handler.py, the Responses API to gateway/responses.py, the other
+inference APIs to their modules (raw ASGI too: the same proxy), and everything else,
+lifespan included, to a FastAPI app.
 Everything the handlers need (router, upstream client, tokenizers, tenants, metrics) lives
 in one ``GatewayState`` (gateway/state.py), built by ``create_app`` and started and stopped
 by the lifespan. This module is the composition root: it imports the handlers, and
@@ -44,6 +45,7 @@ from gateway.response_affinity import ResponseAffinity
 from gateway.responses import is_responses_path, serve_responses
 from gateway.routing import KeyBuilder
 from gateway.state import GatewayState
+from gateway.tokens_api import TOKENS_API_PATHS, serve_tokens_api
 from gateway.upstream import Upstream
 from prefixgate.wire import OpenAIError, error_body
 from router.protocol import redacted_url
@@ -73,14 +75,16 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in HOT_PATHS:
             await serve_completion(self.state, scope, receive, send, scope["path"])
+        elif scope["type"] == "http" and scope["path"] in PASSTHROUGH_PATHS:
+            await serve_passthrough(self.state, scope, receive, send)
         elif scope["type"] == "http" and is_responses_path(scope["path"]):
             await serve_responses(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == GENERATE_PATH:
             await serve_generate(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in TOKENS_API_PATHS:
+            await serve_tokens_api(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == MESSAGES_PATH:
             await serve_messages(self.state, scope, receive, send)
-        elif scope["type"] == "http" and scope["path"] in PASSTHROUGH_PATHS:
-            await serve_passthrough(self.state, scope, receive, send)
         else:
             await self.fallback(scope, receive, send)
 

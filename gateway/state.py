@@ -15,6 +15,7 @@ import httpx
 
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
@@ -40,6 +41,9 @@ class GatewayState:
     refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
     # replica id -> name -> the card it lists for that name (gateway/probes.py, CARD_FIELDS)
     cards: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    # vLLM's token API requests being forwarded, by the id their answers carry: the
+    # tenant, and the exchange (its replica), for aborts (gateway/tokens_api.py)
+    generating: dict[str, tuple[str, Exchange]] = field(default_factory=dict)
 
     def upstream_authorization(self, headers: dict[str, str]) -> str | None:
         """The Authorization sent upstream: the gateway's --upstream-api-key; else, in open

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import re
 
-# Generated output in a chunk: non-empty content or text, tool calls, or a finish reason.
-# A chat stream's first chunk (role only, ``"content":""``) is sent before any token.
+# Generated output in a chunk: non-empty content or text, tool calls, generated token
+# ids (vLLM's token API streams only those), or a finish reason. A chat stream's first
+# chunk (role only, ``"content":""``) is sent before any token.
 OUTPUT = re.compile(
     rb'"(?:content|text)"\s*:\s*"[^"]|"tool_calls"\s*:\s*\[|"finish_reason"\s*:\s*"'
+    rb'|"token_ids"\s*:\s*\[\s*\d'
 )
 
 

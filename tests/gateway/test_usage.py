@@ -44,7 +44,17 @@ def test_sse_scanner_sees_the_first_output_not_the_role_chunk() -> None:
         b'data: {"choices":[{"text": "x","index":0}]}\n\n',  # a text completion
         b'data: {"choices":[{"delta":{"tool_calls":[{"id":"c"}]}}]}\n\n',
         b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n',  # no text at all
+        # vLLM's token API (output_mode tokens): generated ids only
+        b'data: {"request_id":"generate-tokens-1","choices":[{"index":0,"token_ids":[79]}]}\n\n',
     ):
         scanner = SSEScanner()
         scanner.feed(first)
         assert scanner.output, first
+    # The prompt's ids (return_token_ids) and an empty list are not output.
+    for before in (
+        b'data: {"prompt_token_ids":[1,2],"choices":[{"index":0,"token_ids":[]}]}\n\n',
+        b'data: {"choices":[{"delta":{"role":"assistant","content":""},"token_ids":[ ]}]}\n\n',
+    ):
+        scanner = SSEScanner()
+        scanner.feed(before)
+        assert not scanner.output, before

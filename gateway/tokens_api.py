@@ -1,0 +1,212 @@
+"""vLLM's token-in, token-out API: ``POST /inference/v1/generate``, routed by prefix, and
+``POST /inference/v1/abort_requests``, sent where the requests run.
+
+A vLLM started with ``--enable-scale-out`` (or ``--tokens-only``) takes prompts as token
+ids and answers token ids: reinforcement-learning rollouts drive it (a multi-turn
+rollout resends its growing token prefix every turn, a group of samples shares one), as
+does vLLM's own split of a deployment into render, generate and derender servers. The
+gateway answered 404.
+
+Now a generate request is keyed by its ``token_ids`` exactly (a completion's token-id
+prompt: gateway/routing.py), salted with the tenant's ``cache_salt`` as a chat is (the
+API carries one, so keyed tenants may use it), routed like a completion, and its body
+passes unchanged otherwise; its answers and streams are read as a completion's.
+
+An abort names requests by the id their answers carry, ``generate-tokens-`` and the
+request's own id (its ``x-request-id`` header, else its body's ``request_id``: see
+``upstream_request_id`` in gateway/handler.py). The gateway keeps the requests it is
+forwarding by that id, and sends each abort to the replica that has its request: another
+replica knows nothing of it. Ids it is not forwarding go to every replica in open mode
+(another gateway may have routed them); in keyed mode they are dropped, for a tenant may
+only abort what it sent (a tenant's requests are known only where they came in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from starlette.types import Receive, Scope, Send
+
+from gateway.exchange import Exchange
+from gateway.handler import (
+    answer,
+    forward_watched,
+    open_exchange,
+    post_only,
+    read_body,
+    served_model,
+    upstream_request_id,
+)
+from gateway.http1 import UpstreamError
+from gateway.passthrough import the_only_model
+from gateway.proxy import Forward, forward_headers
+from gateway.state import GatewayState
+from prefixgate.json_body import load_json_object
+from prefixgate.wire import CompletionRequest, OpenAIError, parse_request
+from router.conversation import conversation_key
+from router.protocol import redacted_url
+
+log = logging.getLogger("prefixgate.gateway.tokens")
+
+PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+ANSWER_ID_PREFIX = "generate-tokens-"  # vLLM's: an answer's request_id, an abort's id
+TOKENS_API_PATHS = frozenset({PATH, ABORT_PATH})
+MAX_ABORT_IDS = 4096  # ids in one abort request
+
+
+async def serve_tokens_api(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["path"] == PATH:
+        headers, ex = open_exchange(scope, "generate_tokens")
+        await answer(state, ex, send, _generate(state, scope, headers, receive, send, ex))
+    else:
+        headers, ex = open_exchange(scope, "abort_requests")
+        await answer(state, ex, send, _abort(state, scope, headers, receive, send, ex))
+
+
+async def _generate(
+    state: GatewayState,
+    scope: Scope,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+) -> None:
+    post_only(scope)
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    body = load_json_object(raw)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError("model: must be a string", param="model", code="invalid_value")
+    model = model or the_only_model(state)
+    ex.model, ex.stream = model or "", body.get("stream") is True
+    client_salt = body.get("cache_salt")
+    salt = state.auth.forwarded_salt(tenant, client_salt if isinstance(client_salt, str) else None)
+    # A salt that is not a string passes, for the replica's 400 (unless keyed mode
+    # replaces it).
+    if salt != client_salt and (salt is not None or isinstance(client_salt, str)):
+        if salt is None:
+            body.pop("cache_salt", None)
+        else:
+            body["cache_salt"] = salt
+        raw = json.dumps(body, separators=(",", ":")).encode()
+    keys: list[bytes] = []
+    prompt_tokens = 0
+    route_model = None
+    if model is not None:
+        route_model, tokenizer_model, key_model, block_size = served_model(state, model)
+        ex.block_size = block_size
+        ids = body.get("token_ids")
+        if _token_ids(ids):
+            request = parse_request(CompletionRequest, {"model": model, "prompt": ids})
+            assert isinstance(request, CompletionRequest)
+            keyed = await state.keys.keys(
+                request,
+                tokenizer_model,
+                block_size,
+                salt or "",
+                len(raw),
+                served=route_model is not None,
+                key_model=key_model,
+            )
+            keys, prompt_tokens = keyed.keys, keyed.prompt_tokens
+    request_id = upstream_request_id(ex, body)
+    answer_id = ANSWER_ID_PREFIX + (request_id or str(body["request_id"]))
+    forwarded = Forward(
+        keys=keys,
+        prompt_tokens=prompt_tokens,
+        conversation=state.auth.scoped_conversation(tenant, conversation_key(body, headers)),
+        model=route_model,
+        path=PATH,
+        body=raw,
+        headers=forward_headers(request_id, state.upstream_authorization(headers)),
+        stream=ex.stream,
+    )
+    running = state.generating
+    # A second request under the same id keeps the first's entry (vLLM refuses or
+    # aborts duplicates itself); only the entry's own request removes it.
+    mine = answer_id not in running
+    if mine:
+        running[answer_id] = (tenant.name, ex)
+    try:
+        await forward_watched(state, ex, forwarded, receive, send)
+    finally:
+        if mine:
+            del running[answer_id]
+
+
+def _token_ids(ids: object) -> bool:
+    """Token ids to key by (anything else is the replica's 400 to give)."""
+    return (
+        isinstance(ids, list) and bool(ids) and all(type(i) is int and 0 <= i < 2**32 for i in ids)
+    )
+
+
+async def _abort(
+    state: GatewayState,
+    scope: Scope,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+) -> None:
+    post_only(scope)
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    ids = load_json_object(raw).get("request_ids")
+    if isinstance(ids, str):  # vLLM takes one id as well as a list
+        ids = [ids]
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise OpenAIError(
+            "request_ids: required, a list of request ids",
+            param="request_ids",
+            code="invalid_value",
+        )
+    if len(ids) > MAX_ABORT_IDS:
+        raise OpenAIError(
+            f"request_ids: at most {MAX_ABORT_IDS} in one request",
+            param="request_ids",
+            code="invalid_value",
+        )
+    # By URL: a vLLM's data-parallel ranks are replicas behind one URL, and one abort
+    # there reaches every rank.
+    by_url: dict[str, list[str]] = {}
+    unknown: list[str] = []
+    for request_id in dict.fromkeys(ids):
+        found = state.generating.get(request_id)
+        if found is None:
+            unknown.append(request_id)
+        elif found[0] == tenant.name and found[1].replica is not None:
+            view = state.router.replicas.get(found[1].replica)
+            if view is not None:
+                by_url.setdefault(view.url, []).append(request_id)
+    if unknown and state.auth.open:
+        for view in state.router.replicas.values():
+            by_url.setdefault(view.url, []).extend(unknown)
+    headers = forward_headers(ex.request_id, state.upstream_authorization(headers))
+    await asyncio.gather(*(_abort_on(state, url, rids, headers) for url, rids in by_url.items()))
+    ex.status = 200
+    await send({"type": "http.response.start", "status": 200, "headers": ex.raw_headers()})
+    await send({"type": "http.response.body", "body": b""})
+    ex.responded = True
+
+
+async def _abort_on(
+    state: GatewayState, url: str, request_ids: list[str], headers: dict[str, str]
+) -> None:
+    """One replica's abort; a failure is logged, not the client's (vLLM answers an abort
+    with 200 whatever it found, and the request may have ended meanwhile)."""
+    body = json.dumps({"request_ids": request_ids}, separators=(",", ":")).encode()
+    try:
+        response = await state.upstream.request("POST", url + ABORT_PATH, body, headers)
+        await response.read()
+    except UpstreamError as exc:
+        log.warning("abort on %s failed: %s", redacted_url(url), exc.kind)
+        return
+    if response.status != 200:
+        log.warning("abort on %s answered %d", redacted_url(url), response.status)
