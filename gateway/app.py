@@ -27,8 +27,9 @@ from starlette.types import Receive, Scope, Send
 from gateway.auth import Authenticator, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
+from gateway.generate import ABORT_PATH as SGLANG_ABORT_PATH
 from gateway.generate import PATH as GENERATE_PATH
-from gateway.generate import serve_generate
+from gateway.generate import serve_abort, serve_generate
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
 from gateway.messages import PATH as MESSAGES_PATH
 from gateway.messages import serve_messages
@@ -81,6 +82,8 @@ class GatewayApp:
             await serve_responses(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == GENERATE_PATH:
             await serve_generate(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] == SGLANG_ABORT_PATH:
+            await serve_abort(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in TOKENS_API_PATHS:
             await serve_tokens_api(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == MESSAGES_PATH:

@@ -13,14 +13,20 @@ names no model (an SGLang server serves one): it is the one model the replicas s
 a 400 when they serve several. Tenants: SGLang's ``/generate`` takes no ``cache_salt``, so
 in keyed mode only a tenant with ``shared_namespace: true`` may use it (403 otherwise),
 as with the Messages API (gateway/messages.py).
+
+SGLang's ``POST /abort_request`` (``rid``, or ``abort_all``: RL frameworks stop a
+rollout's stragglers so) was a 404 too: a ``rid`` now goes to the replica running it,
+``abort_all`` to every replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.abortable import abort_at
 from gateway.exchange import Exchange
 from gateway.handler import (
     answer,
@@ -34,9 +40,10 @@ from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
-from prefixgate.wire import CompletionRequest, parse_request
+from prefixgate.wire import CompletionRequest, OpenAIError, parse_request
 
 PATH = "/generate"
+ABORT_PATH = "/abort_request"
 
 
 async def serve_generate(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,7 +89,70 @@ async def _serve(
         headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
         stream=ex.stream,
     )
-    await forward_watched(state, ex, forwarded, receive, send)
+    with state.sglang_generating.hold(_rids(body.get("rid")), tenant.name, ex):
+        await forward_watched(state, ex, forwarded, receive, send)
+
+
+def _rids(rid: object) -> list[str]:
+    """The ids a ``/generate`` request may be aborted by: its ``rid``, or a batch's."""
+    if isinstance(rid, str):
+        return [rid] if rid else []
+    if isinstance(rid, list):
+        return [r for r in rid if isinstance(r, str) and r]
+    return []
+
+
+async def serve_abort(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
+    headers, ex = open_exchange(scope, "abort_request")
+    await answer(state, ex, send, _abort(state, scope, headers, receive, send, ex))
+
+
+async def _abort(
+    state: GatewayState,
+    scope: Scope,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+) -> None:
+    """SGLang's ``POST /abort_request``: ``rid`` to the replica running it
+    (gateway/abortable.py); ``abort_all`` to every replica, in open mode or from an admin
+    tenant (it stops every tenant's requests)."""
+    post_only(scope)
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    body = load_json_object(raw)
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(rid, str) or not isinstance(abort_all, bool):
+        raise OpenAIError(
+            "rid: a request id (a string); abort_all: a boolean", param="rid", code="invalid_value"
+        )
+    forwarded = forward_headers(ex.request_id, state.upstream_authorization(headers))
+    if abort_all:
+        if not (state.auth.open or tenant.admin):
+            raise OpenAIError(
+                "abort_all stops every tenant's requests: an admin key's to send",
+                status=403,
+                type="permission_error",
+                code="admin_only",
+            )
+        urls = dict.fromkeys(view.url for view in state.router.replicas.values())
+        sent = [abort_at(state.upstream, url, ABORT_PATH, body, forwarded) for url in urls]
+    else:
+        targets = state.sglang_generating.targets(
+            [rid] if rid else [], tenant.name, state.router.replicas, state.auth.open
+        )
+        sent = [
+            abort_at(state.upstream, url, ABORT_PATH, {**body, "rid": one}, forwarded)
+            for url, rids in targets.items()
+            for one in rids
+        ]
+    await asyncio.gather(*sent)
+    ex.status = 200
+    await send({"type": "http.response.start", "status": 200, "headers": ex.raw_headers()})
+    await send({"type": "http.response.body", "body": b""})
+    ex.responded = True
 
 
 def first_prompt(body: dict[str, Any]) -> str | list[int] | None:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from gateway.abortable import Abortable
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
-from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
@@ -41,9 +41,10 @@ class GatewayState:
     refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
     # replica id -> name -> the card it lists for that name (gateway/probes.py, CARD_FIELDS)
     cards: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
-    # vLLM's token API requests being forwarded, by the id their answers carry: the
-    # tenant, and the exchange (its replica), for aborts (gateway/tokens_api.py)
-    generating: dict[str, tuple[str, Exchange]] = field(default_factory=dict)
+    # Requests being forwarded, by the ids they may be aborted by (gateway/abortable.py):
+    # vLLM's token API's (gateway/tokens_api.py), SGLang's /generate's (gateway/generate.py)
+    generating: Abortable = field(default_factory=Abortable)
+    sglang_generating: Abortable = field(default_factory=Abortable)
 
     def upstream_authorization(self, headers: dict[str, str]) -> str | None:
         """The Authorization sent upstream: the gateway's --upstream-api-key; else, in open

@@ -14,21 +14,18 @@ passes unchanged otherwise; its answers and streams are read as a completion's.
 
 An abort names requests by the id their answers carry, ``generate-tokens-`` and the
 request's own id (its ``x-request-id`` header, else its body's ``request_id``: see
-``upstream_request_id`` in gateway/handler.py). The gateway keeps the requests it is
-forwarding by that id, and sends each abort to the replica that has its request: another
-replica knows nothing of it. Ids it is not forwarding go to every replica in open mode
-(another gateway may have routed them); in keyed mode they are dropped, for a tenant may
-only abort what it sent (a tenant's requests are known only where they came in).
+``upstream_request_id`` in gateway/handler.py); it goes to the replica running each
+(gateway/abortable.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.abortable import abort_at
 from gateway.exchange import Exchange
 from gateway.handler import (
     answer,
@@ -39,16 +36,12 @@ from gateway.handler import (
     served_model,
     upstream_request_id,
 )
-from gateway.http1 import UpstreamError
 from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import CompletionRequest, OpenAIError, parse_request
 from router.conversation import conversation_key
-from router.protocol import redacted_url
-
-log = logging.getLogger("prefixgate.gateway.tokens")
 
 PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
@@ -126,17 +119,8 @@ async def _generate(
         headers=forward_headers(request_id, state.upstream_authorization(headers)),
         stream=ex.stream,
     )
-    running = state.generating
-    # A second request under the same id keeps the first's entry (vLLM refuses or
-    # aborts duplicates itself); only the entry's own request removes it.
-    mine = answer_id not in running
-    if mine:
-        running[answer_id] = (tenant.name, ex)
-    try:
+    with state.generating.hold([answer_id], tenant.name, ex):
         await forward_watched(state, ex, forwarded, receive, send)
-    finally:
-        if mine:
-            del running[answer_id]
 
 
 def _token_ids(ids: object) -> bool:
@@ -173,40 +157,15 @@ async def _abort(
             param="request_ids",
             code="invalid_value",
         )
-    # By URL: a vLLM's data-parallel ranks are replicas behind one URL, and one abort
-    # there reaches every rank.
-    by_url: dict[str, list[str]] = {}
-    unknown: list[str] = []
-    for request_id in dict.fromkeys(ids):
-        found = state.generating.get(request_id)
-        if found is None:
-            unknown.append(request_id)
-        elif found[0] == tenant.name and found[1].replica is not None:
-            view = state.router.replicas.get(found[1].replica)
-            if view is not None:
-                by_url.setdefault(view.url, []).append(request_id)
-    if unknown and state.auth.open:
-        for view in state.router.replicas.values():
-            by_url.setdefault(view.url, []).extend(unknown)
+    targets = state.generating.targets(ids, tenant.name, state.router.replicas, state.auth.open)
     headers = forward_headers(ex.request_id, state.upstream_authorization(headers))
-    await asyncio.gather(*(_abort_on(state, url, rids, headers) for url, rids in by_url.items()))
+    await asyncio.gather(
+        *(
+            abort_at(state.upstream, url, ABORT_PATH, {"request_ids": rids}, headers)
+            for url, rids in targets.items()
+        )
+    )
     ex.status = 200
     await send({"type": "http.response.start", "status": 200, "headers": ex.raw_headers()})
     await send({"type": "http.response.body", "body": b""})
     ex.responded = True
-
-
-async def _abort_on(
-    state: GatewayState, url: str, request_ids: list[str], headers: dict[str, str]
-) -> None:
-    """One replica's abort; a failure is logged, not the client's (vLLM answers an abort
-    with 200 whatever it found, and the request may have ended meanwhile)."""
-    body = json.dumps({"request_ids": request_ids}, separators=(",", ":")).encode()
-    try:
-        response = await state.upstream.request("POST", url + ABORT_PATH, body, headers)
-        await response.read()
-    except UpstreamError as exc:
-        log.warning("abort on %s failed: %s", redacted_url(url), exc.kind)
-        return
-    if response.status != 200:
-        log.warning("abort on %s answered %d", redacted_url(url), response.status)

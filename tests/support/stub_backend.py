@@ -21,7 +21,9 @@ remembered (path, method, status) among the requests below.
 
 ``POST /v1/embeddings`` answers a two-number vector per input (its length, then 0.5);
 ``POST /v1/messages`` (Anthropic's, streamed or not) a fixed message, and its
-``count_tokens`` the number of messages; ``POST /generate`` (SGLang's) a fixed text.
+``count_tokens`` the number of messages; ``POST /generate`` (SGLang's) a fixed text, or,
+for a ``rid`` that starts ``hold-``, nothing until ``POST /abort_request`` names it (or
+``abort_all``): then its ``finish_reason`` is ``abort``.
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,6 +77,7 @@ class StubConfig:
 class StubBackend:
     config: StubConfig
     requests: deque[dict[str, Any]] = field(default_factory=deque)
+    held: dict[str, asyncio.Event] = field(default_factory=dict)  # /generate rids "hold-…"
     _responded: int = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -116,6 +120,8 @@ class StubBackend:
             await self._embed(scope, receive, send)
         elif method == "POST" and path == "/generate":
             await self._generate(scope, receive, send)
+        elif method == "POST" and path == "/abort_request":
+            await self._abort(receive, send)
         elif method == "POST" and path in ("/v1/messages", "/v1/messages/count_tokens"):
             await self._messages(scope, receive, send)
         elif method == "POST" and path == "/v1/responses":
@@ -177,7 +183,14 @@ class StubBackend:
         body = json.loads(await _read(receive))
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self._remember({"path": scope["path"], "body": body, "headers": headers})
-        meta = {"prompt_tokens": 8, "completion_tokens": 2, "cached_tokens": 0}
+        meta: dict[str, Any] = {"prompt_tokens": 8, "completion_tokens": 2, "cached_tokens": 0}
+        rid = body.get("rid")
+        if isinstance(rid, str) and rid.startswith("hold-"):  # runs until aborted (30 s)
+            held = self.held[rid] = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(held.wait(), 30)
+            del self.held[rid]
+            meta["finish_reason"] = {"type": "abort" if held.is_set() else "length"}
         if not body.get("stream"):
             answer = {"text": "tok0 tok1", "meta_info": meta}
             await _send(send, 200, json.dumps(answer).encode())
@@ -187,6 +200,15 @@ class StubBackend:
             event = _event({"text": text, "meta_info": meta})
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def _abort(self, receive: Receive, send: Send) -> None:
+        """SGLang's: a held ``/generate`` ends at its ``rid``'s abort, or at ``abort_all``."""
+        body = json.loads(await _read(receive))
+        self._remember({"path": "/abort_request", "body": body})
+        for rid, held in self.held.items():
+            if body.get("abort_all") or body.get("rid") == rid:
+                held.set()
+        await _send(send, 200, b"")
 
     async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = json.loads(await _read(receive))
