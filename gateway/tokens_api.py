@@ -8,9 +8,10 @@ does vLLM's own split of a deployment into render, generate and derender servers
 gateway answered 404.
 
 Now a generate request is keyed by its ``token_ids`` exactly (a completion's token-id
-prompt: gateway/routing.py), salted with the tenant's ``cache_salt`` as a chat is (the
-API carries one, so keyed tenants may use it), routed like a completion, and its body
-passes unchanged otherwise; its answers and streams are read as a completion's.
+prompt: gateway/routing.py; a multimodal one up to its first image: ``keyed_head``),
+salted with the tenant's ``cache_salt`` as a chat is (the API carries one, so keyed
+tenants may use it), routed like a completion, and its body passes unchanged otherwise;
+its answers and streams are read as a completion's.
 
 An abort names requests by the id their answers carry, ``generate-tokens-`` and the
 request's own id (its ``x-request-id`` header, else its body's ``request_id``: see
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
@@ -94,8 +96,9 @@ async def _generate(
         route_model, tokenizer_model, key_model, block_size = served_model(state, model)
         ex.block_size = block_size
         ids = body.get("token_ids")
-        if _token_ids(ids):
-            request = parse_request(CompletionRequest, {"model": model, "prompt": ids})
+        head = keyed_head(body)
+        if head:
+            request = parse_request(CompletionRequest, {"model": model, "prompt": head})
             assert isinstance(request, CompletionRequest)
             keyed = await state.keys.keys(
                 request,
@@ -106,7 +109,9 @@ async def _generate(
                 served=route_model is not None,
                 key_model=key_model,
             )
-            keys, prompt_tokens = keyed.keys, keyed.prompt_tokens
+            keys = keyed.keys
+        if isinstance(ids, list) and _token_ids(ids):
+            prompt_tokens = len(ids)  # all of it: what is not keyed is not cached
     request_id = upstream_request_id(ex, body)
     answer_id = ANSWER_ID_PREFIX + (request_id or str(body["request_id"]))
     forwarded = Forward(
@@ -121,6 +126,36 @@ async def _generate(
     )
     with state.generating.hold([answer_id], tenant.name, ex):
         await forward_watched(state, ex, forwarded, receive, send)
+
+
+def keyed_head(body: dict[str, Any]) -> list[int]:
+    """The token ids to key by: all of them, or those before the first multimodal
+    placeholder (``features.mm_placeholders``): an engine keys a placeholder's blocks by
+    its media's hash as well, which the ids do not carry, so two images would look like
+    one cached prefix. None at all when the engine resolves the media itself
+    (``content_parts``: where its tokens fall is not said), or when the ids are not ids
+    (the replica's 400 to give)."""
+    ids = body.get("token_ids")
+    if not _token_ids(ids) or body.get("content_parts"):
+        return []
+    assert isinstance(ids, list)
+    features = body.get("features")
+    if features is None:
+        return ids
+    placeholders = features.get("mm_placeholders") if isinstance(features, dict) else None
+    if not isinstance(placeholders, dict):
+        return []
+    offsets = [
+        r.get("offset")
+        for ranges in placeholders.values()
+        if isinstance(ranges, list)
+        for r in ranges
+        if isinstance(r, dict)
+    ]
+    starts = [o for o in offsets if type(o) is int and o >= 0]
+    if len(starts) != len(offsets):
+        return []
+    return ids[: min(starts)] if starts else ids
 
 
 def _token_ids(ids: object) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.tokens_api import keyed_head
 from tests.gateway.conftest import (
     Server,
     start_gateway,
@@ -241,3 +242,41 @@ def test_the_scale_out_endpoints_pass_through(stubs: Any, path: str) -> None:
     assert answer.status_code == 404  # the stub's own answer: it has no such endpoint
     assert answer.headers.get("x-prefixgate-replica") is not None
     assert stubs.received(path), f"{path} did not reach a replica"
+
+
+def test_a_multimodal_prompt_is_keyed_up_to_its_first_image() -> None:
+    ids = list(range(100))
+    image = {
+        "mm_hashes": {"image": ["h1"]},
+        "mm_placeholders": {"image": [{"offset": 40, "length": 20}]},
+    }
+    assert keyed_head({"token_ids": ids}) == ids
+    assert keyed_head({"token_ids": ids, "features": image}) == ids[:40]
+    two = {
+        "mm_placeholders": {
+            "image": [{"offset": 70, "length": 5}],
+            "audio": [{"offset": 33, "length": 2}],
+        }
+    }
+    assert keyed_head({"token_ids": ids, "features": two}) == ids[:33]
+    # Media the engine resolves (where its tokens fall is not said), or placeholders that
+    # are not: nothing keyed. Not ids: the replica's 400.
+    assert keyed_head({"token_ids": ids, "content_parts": [{"type": "image_url"}]}) == []
+    assert (
+        keyed_head({"token_ids": ids, "features": {"mm_placeholders": {"image": [{"offset": -1}]}}})
+        == []
+    )
+    assert keyed_head({"token_ids": ids, "features": {"mm_hashes": {}}}) == []
+    assert keyed_head({"token_ids": [1, "2"]}) == [] and keyed_head({}) == []
+
+
+def test_an_images_blocks_are_not_taken_for_another_images(servers: Servers) -> None:
+    prompt = list(range(5000, 5200))  # 12 blocks, an image's placeholder from id 64 on
+    features = {
+        "mm_hashes": {"image": ["a"]},
+        "mm_placeholders": {"image": [{"offset": 64, "length": 100}]},
+    }
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1}, "features": features}
+    answer = _generate(servers.open, body)  # the built-in replica takes no images: a 400
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "features"
+    assert "matched=0/4;" in answer.headers["x-prefixgate-route"]  # the 4 blocks before it
