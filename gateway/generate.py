@@ -155,10 +155,17 @@ async def _abort(
     ex.responded = True
 
 
+MEDIA_FIELDS = ("image_data", "audio_data", "video_data")
+
+
 def first_prompt(body: dict[str, Any]) -> str | list[int] | None:
     """The prompt to key by: ``input_ids`` (ids, or the first of a batch) over ``text``
     (a string, or the first of a batch); None when neither is usable (the replica answers
-    for the body: the gateway only routes)."""
+    for the body: the gateway only routes), or when the prompt carries media: SGLang
+    keys a media item's tokens by the item as well, and where they fall in the prompt is
+    its own expansion's, so two images would look like one cached prefix."""
+    if any(body.get(name) for name in MEDIA_FIELDS):
+        return None
     ids = body.get("input_ids")
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
         ids = ids[0]

@@ -87,6 +87,9 @@ def test_the_prompt_keyed_is_the_first() -> None:
     assert first_prompt({"text": ["a", "b"]}) == "a"
     assert first_prompt({"input_ids": [5, True]}) is None  # not ids: the replica judges
     assert first_prompt({"input_ids": [-1]}) is None and first_prompt({}) is None
+    # Media: its tokens are keyed by the media too, where the gateway cannot follow.
+    assert first_prompt({"text": "<image> what is this?", "image_data": ["a.png"]}) is None
+    assert first_prompt({"input_ids": [5, 6], "image_data": [], "audio_data": None}) == [5, 6]
 
 
 def _aborts(servers: Servers) -> list[list[dict[str, Any]]]:
