@@ -237,11 +237,23 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    # vLLM's (--enable-prompt-embeds): base64 tensors in place of a prompt, or as well.
+    prompt_embeds: str | list[str] | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=LOGPROBS_ALL)
     # 0 with ``echo``: the prompt alone, scored (vLLM's, after OpenAI's legacy API).
     max_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _a_prompt(self) -> CompletionRequest:
+        if self.prompt is None and not self.prompt_embeds:
+            raise OpenAIError(  # vLLM's words
+                "Either prompt or prompt_embeds must be provided and non-empty.",
+                param="prompt",
+                code="invalid_value",
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_tokens_only_for_an_echo(self) -> CompletionRequest:
@@ -263,8 +275,8 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompts(
-        cls, value: str | list[int] | list[str] | list[list[int]]
-    ) -> str | list[int] | list[str] | list[list[int]]:
+        cls, value: str | list[int] | list[str] | list[list[int]] | None
+    ) -> str | list[int] | list[str] | list[list[int]] | None:
         """One prompt, or a batch of texts or of id lists (as vLLM and SGLang take them);
         every id list non-empty and in range."""
         if isinstance(value, list):
@@ -282,7 +294,7 @@ class CompletionRequest(_SamplingFields):
     @property
     def batch_size(self) -> int:
         """How many prompts the request carries."""
-        p = self.prompt
+        p = self.prompt if self.prompt is not None else self.prompt_embeds
         return len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1
 
     @property
@@ -302,8 +314,11 @@ class CompletionRequest(_SamplingFields):
         return 1 if self.echo_only else self.max_tokens
 
     def single_prompt(self) -> str | list[int]:
-        """The one prompt as text or token ids (a batch's first)."""
+        """The one prompt as text or token ids (a batch's first); no ids for embeddings
+        alone (``prompt_embeds``: nothing the gateway can key)."""
         p = self.prompt
+        if p is None:
+            return []
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             return p[0]  # type: ignore[return-value]
         return p  # type: ignore[return-value]

@@ -293,6 +293,13 @@ def jobs_from_completion(body: object, replica: Replica) -> list[Job]:
     """A completion request's jobs: one, or one per prompt of a batch (vLLM's list
     ``prompt``), which share the answer's id (replica/respond.py, ``run_batch``)."""
     req = parse_request(CompletionRequest, body)
+    if req.prompt_embeds:
+        raise OpenAIError(
+            "prompt_embeds is not supported by this replica; send the prompt as text or token ids",
+            param="prompt_embeds",
+            code="unsupported_value",
+        )
+    assert req.prompt is not None  # the wire wants a prompt or embeddings
     _check_limits(req)  # before any encoding
     model = check_model(req.model, replica)
     if req.batch_size == 1:

@@ -134,3 +134,20 @@ def test_the_engines_own_limits_are_not_the_gateways(cluster: StubCluster) -> No
             cluster.gateway.url + "/v1/chat/completions", json=chat | extra, timeout=30
         )
         assert answer.status_code == 400, extra  # what no engine takes
+
+
+def test_prompt_embeddings_reach_the_engine(cluster: StubCluster) -> None:
+    """vLLM takes ``prompt_embeds`` (base64 tensors, ``--enable-prompt-embeds``) in place
+    of a prompt; the gateway answered ``prompt: Field required``. Now they pass, routed by
+    load (nothing to key); neither is still vLLM's 400."""
+    for embeds in ("AAAAAA==", ["AAAAAA==", "AAAAAB=="]):
+        body = {"model": MODEL, "prompt_embeds": embeds, "max_tokens": 2}
+        answer = httpx.post(cluster.gateway.url + "/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert "matched=0/0" in answer.headers["x-prefixgate-route"]
+        assert body in [r["body"] for r in cluster.received("/v1/completions")]
+    empties: list[dict[str, Any]] = [{}, {"prompt_embeds": []}, {"prompt_embeds": None}]
+    for empty in empties:
+        body = {"model": MODEL, "max_tokens": 2, **empty}
+        answer = httpx.post(cluster.gateway.url + "/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"

@@ -147,6 +147,21 @@ def test_vllm_fields_it_cannot_honour_are_a_400_not_ignored(
     _still_serving(replica)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt_embeds": "AAAAAA=="},  # in place of a prompt
+        {"prompt": "tides", "prompt_embeds": ["AAAAAA=="]},  # as well
+    ],
+)
+def test_prompt_embeddings_are_a_400_naming_them(
+    replica: ReplicaProcess, body: dict[str, Any]
+) -> None:
+    error = _bad_request(replica, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
+    assert error["param"] == "prompt_embeds", error
+    _still_serving(replica)
+
+
 def test_vllm_sampling_extras_are_checked_and_neutral_values_pass(replica: ReplicaProcess) -> None:
     bad: list[tuple[dict[str, Any], str]] = [
         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
