@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from prefixgate.guard import REQUEST_ID_MADE
 from prefixgate.wire import OpenAIError
 from replica import logprobs_format as lf
 from replica import openai_format as fmt
@@ -35,6 +36,19 @@ from replica.state import Replica
 from replica.tool_output import ToolCallChunks, forced_message, parsed_message
 
 log = logging.getLogger("prefixgate.replica.server")
+
+
+def named_request(request: Request, given: object) -> str | None:
+    """The id the request is named by, as vLLM names it: the client's ``x-request-id``
+    header (one the replica took: the guard and the middleware replace a bad one), else
+    the body's ``request_id`` (``given``); None when it has neither. vLLM's answer ids
+    are made of it (``chatcmpl-ID``, ``cmpl-ID``, ``generate-tokens-ID``); a gateway in
+    front sends its request id as the header, so the answer's id is its log line's."""
+    header = request.headers.get("x-request-id")
+    made = request.scope.get(REQUEST_ID_MADE, False)  # the guard's, not the client's
+    if header is not None and not made and header == request.state.request_id:
+        return header
+    return given if isinstance(given, str) and given else None
 
 
 def _submit(job: Job, replica: Replica) -> RequestHandle:

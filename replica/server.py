@@ -25,9 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixgate.json_body import load_json_body
 from prefixgate.wire import OpenAIError, error_body
 from replica import openai_format as fmt
-from replica.jobs import job_from_chat, jobs_from_completion, off_loop_if_large, work_size
+from replica.jobs import Job, job_from_chat, jobs_from_completion, off_loop_if_large, work_size
 from replica.messages import add_messages_routes
-from replica.respond import run_batch, run_job
+from replica.respond import named_request, run_batch, run_job
 from replica.responses import add_response_routes
 from replica.state import Replica
 from replica.tokenize_api import add_tokenize_routes
@@ -159,17 +159,28 @@ def create_app(replica: Replica) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         raw = await request.body()
-        job = await off_loop_if_large(
-            work_size(raw), lambda: job_from_chat(load_json_body(raw), replica)
-        )
+
+        def read() -> tuple[Job, str | None]:
+            body = load_json_body(raw)
+            return job_from_chat(body, replica), named_request(request, _given_id(body))
+
+        job, named = await off_loop_if_large(work_size(raw), read)
+        if named is not None:  # vLLM's answer id: the request's name
+            job.response_id = f"chatcmpl-{named}"
         return await run_job(job, request, replica)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         raw = await request.body()
-        jobs = await off_loop_if_large(
-            work_size(raw), lambda: jobs_from_completion(load_json_body(raw), replica)
-        )
+
+        def read() -> tuple[list[Job], str | None]:
+            body = load_json_body(raw)
+            return jobs_from_completion(body, replica), named_request(request, _given_id(body))
+
+        jobs, named = await off_loop_if_large(work_size(raw), read)
+        if named is not None:  # a batch's prompts share it
+            for job in jobs:
+                job.response_id = f"cmpl-{named}"
         if len(jobs) > 1:
             return await run_batch(jobs, request, replica)
         return await run_job(jobs[0], request, replica)
@@ -179,6 +190,11 @@ def create_app(replica: Replica) -> FastAPI:
     add_messages_routes(app, replica)
     add_tokens_routes(app, replica)
     return app
+
+
+def _given_id(body: object) -> object:
+    """The body's ``request_id`` (vLLM's field), if it has one."""
+    return body.get("request_id") if isinstance(body, dict) else None
 
 
 def _stop_serving(replica: Replica, exc: BaseException) -> None:

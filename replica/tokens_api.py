@@ -33,7 +33,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from prefixgate.guard import REQUEST_ID_MADE
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import OpenAIError, StreamOptions, parse_request
 from replica import logprobs_format as lf
@@ -48,7 +47,15 @@ from replica.jobs import (
     work_size,
 )
 from replica.request import ChoiceOutput, Delta, RequestOutput, TokenLogprob
-from replica.respond import _decoder, _engine_error, _observe, _submit, collect_whole, event_stream
+from replica.respond import (
+    _decoder,
+    _engine_error,
+    _observe,
+    _submit,
+    collect_whole,
+    event_stream,
+    named_request,
+)
 from replica.state import Replica
 
 ID_PREFIX = "generate-tokens-"
@@ -176,14 +183,9 @@ def _invalid(message: str, param: str = "body") -> OpenAIError:
 
 
 def request_id(request: Request, given: str | None) -> str:
-    """vLLM's: the client's ``x-request-id`` header (one the replica could take: the guard
-    and the middleware replace a bad one), else the body's ``request_id``, else a random
-    one."""
-    header = request.headers.get("x-request-id")
-    made = request.scope.get(REQUEST_ID_MADE, False)  # the guard's, not the client's
-    if header is not None and not made and header == request.state.request_id:
-        return ID_PREFIX + header
-    return ID_PREFIX + (uuid.uuid4().hex[:16] if given is None else given)
+    """The answer's ``request_id``: ``generate-tokens-`` and the request's name
+    (``named_request``), or a random one."""
+    return ID_PREFIX + (named_request(request, given) or uuid.uuid4().hex[:16])
 
 
 # ---------------------------------------------------------------------------- answers

@@ -115,6 +115,38 @@ def test_chat_repeated_prompt_reports_cached_tokens(replica: ReplicaProcess) -> 
     assert generated and generated != "req-abc-123"
 
 
+def test_answer_ids_are_made_of_the_requests_name_as_vllms(replica: ReplicaProcess) -> None:
+    """vLLM's answer id is ``chatcmpl-`` (``cmpl-``) and the ``x-request-id`` header,
+    else the body's ``request_id``; the replica's were random, so behind a gateway an
+    answer's id was not its log line's."""
+    client = replica.client()
+    one: dict[str, Any] = {"model": MODEL, "max_tokens": 1}
+    chat = {**one, "messages": [{"role": "user", "content": "Name?"}]}
+    by_header = client.chat.completions.create(**chat, extra_headers={"x-request-id": "h-1"})
+    assert by_header.id == "chatcmpl-h-1"
+    by_body = client.chat.completions.create(**chat, extra_body={"request_id": "b-2"})
+    assert by_body.id == "chatcmpl-b-2"
+    both = client.chat.completions.create(
+        **chat, extra_body={"request_id": "b-3"}, extra_headers={"x-request-id": "h-3"}
+    )
+    assert both.id == "chatcmpl-h-3"  # the header first, as vLLM
+    # A header the replica refused (a space in it) names nothing: the body's does.
+    bad = client.chat.completions.create(
+        **chat, extra_body={"request_id": "b-4"}, extra_headers={"x-request-id": "a b"}
+    )
+    assert bad.id == "chatcmpl-b-4"
+    first, second = (client.chat.completions.create(**chat).id for _ in range(2))
+    assert first != second and first.startswith("chatcmpl-")
+    batch = client.completions.create(
+        **one, prompt=["one", "two"], extra_body={"request_id": "batch-5"}
+    )
+    assert batch.id == "cmpl-batch-5"
+    stream = client.completions.create(
+        **one, prompt="one", stream=True, extra_headers={"x-request-id": "s-6"}
+    )
+    assert {chunk.id for chunk in stream} == {"cmpl-s-6"}
+
+
 def test_cache_salt_isolates_tenants(replica: ReplicaProcess) -> None:
     client = replica.client()
     _chat(client, "Salted?", extra_body={"cache_salt": "tenant-a"})
