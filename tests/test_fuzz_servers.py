@@ -2,7 +2,8 @@
 
 One ``tiny-random`` replica and one gateway in front of it. Hypothesis (fixed seed) draws
 request bodies for ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``,
-``/tokenize`` and ``/v1/messages``, valid and hostile (``tests.support.fuzz_bodies``), and
+``/tokenize``, ``/v1/messages`` and vLLM's token API (``/inference/v1/generate`` and
+its aborts), valid and hostile (``tests.support.fuzz_bodies``), and
 each body goes to both servers.
 
 The property, for every body on every server: an answer within the client timeout, never

@@ -3,7 +3,8 @@ answer must have. Used by tests/test_fuzz_servers.py and by the chaos benchmark'
 fuzz run (benchmarks/chaos_fuzz.py).
 
 ``cases`` draws bodies for ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/responses``, ``/tokenize`` and Anthropic's ``/v1/messages``: valid ones with small
+``/v1/responses``, ``/tokenize``, Anthropic's ``/v1/messages`` and vLLM's token API
+(``/inference/v1/generate``, ``/inference/v1/abort_requests``): valid ones with small
 ``max_tokens``, valid ones with fields mutated to hostile values (lone surrogates,
 numbers outside int64 or float range, tiny temperatures, wrong types, huge lists), raw
 bytes that are not JSON or not UTF-8, JSON nested deep (but small enough to send),
@@ -32,6 +33,8 @@ PATHS = (
     "/v1/responses",
     "/tokenize",
     "/v1/messages",
+    "/inference/v1/generate",  # vLLM's token API
+    "/inference/v1/abort_requests",
 )
 
 
@@ -222,6 +225,11 @@ def valid_mutated(draw: st.DrawFn, path: str) -> Case:
         return draw(valid_mutated_response())
     if path.endswith("/messages"):
         return draw(valid_mutated_message())
+    if path.endswith("/generate"):
+        return draw(valid_mutated_generate())
+    if path.endswith("/abort_requests"):
+        ids = draw(st.one_of(st.lists(hostile_text, max_size=5), json_values))
+        return Case(path, _dump({"request_ids": ids}, {}), "abort mutated request_ids")
     body: dict[str, Any] = {"model": MODEL, "max_tokens": draw(small_max_tokens)}
     if path.endswith("chat/completions") or (path == "/tokenize" and draw(st.booleans())):
         body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=40))}]
@@ -267,6 +275,54 @@ def valid_mutated_response(draw: st.DrawFn) -> Case:
         },
     }
     return _mutated(draw, path, body, pool, "responses", stream_one_in=7)
+
+
+# vLLM's token API's own fields; sampling parameters go in ``sampling_params``.
+GENERATE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "token_ids": st.one_of(
+        st.lists(st.integers(-5, VOCAB + 5), max_size=8),
+        st.lists(huge_ints, max_size=3),
+        json_values,
+    ),
+    # Not a dict: one without max_tokens would run to the end of the context (long, not
+    # wrong), and sampling fields are mutated inside it below.
+    "sampling_params": st.one_of(scalars, st.lists(scalars, max_size=3)),
+    "output_mode": st.one_of(st.sampled_from(["tokens", "text", "bytes"]), json_values),
+    "request_id": st.one_of(hostile_text, json_values),
+    "return_token_ids": st.one_of(st.booleans(), json_values),
+    "cache_salt": FIELD_VALUES["cache_salt"],
+    "features": json_values,
+    "content_parts": json_values,
+    "priority": st.one_of(huge_ints, json_values),
+    "model": FIELD_VALUES["model"],
+}
+# ``detokenize`` and the sampling fields that a body's top level would carry elsewhere.
+SAMPLING_FIELDS = {
+    "detokenize": st.one_of(st.booleans(), json_values),
+    **{k: v for k, v in FIELD_VALUES.items() if k not in ("model", "stream", "stream_options")},
+}
+
+
+@st.composite
+def valid_mutated_generate(draw: st.DrawFn) -> Case:
+    path = "/inference/v1/generate"
+    sampling: dict[str, Any] = {"max_tokens": draw(small_max_tokens)}
+    body: dict[str, Any] = {
+        "token_ids": draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)),
+        "sampling_params": sampling,
+    }
+    names = []
+    for _ in range(draw(st.sampled_from([0, 1, 1, 2]))):
+        name = draw(st.sampled_from(sorted(SAMPLING_FIELDS)))
+        value = draw(SAMPLING_FIELDS[name])
+        if name == "max_tokens" and (value is None or (type(value) is int and value > 3)):
+            continue  # to the end of the context (a larger one is cut to it): long, not wrong
+        sampling[name] = value
+        names.append(f"sampling_params.{name}")
+    case = _mutated(draw, path, body, GENERATE_FIELDS, "generate", stream_one_in=5)
+    if names:
+        case.label += "," + ",".join(sorted(set(names)))
+    return case
 
 
 # Anthropic's Messages API's own fields; temperature, top_p, top_k from FIELD_VALUES.
@@ -384,6 +440,10 @@ def raw_body(draw: st.DrawFn, path: str) -> Case:
         valid = {"model": MODEL, "max_output_tokens": 1, "input": "hi"}
     elif path.endswith("/messages"):
         valid = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    elif path.endswith("/generate"):
+        valid = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1}, "request_id": "hi"}
+    elif path.endswith("/abort_requests"):
+        valid = {"request_ids": ["hi"]}
     text = json.dumps(valid).encode()
     depth = draw(st.integers(2, 3000))
     kind = draw(
