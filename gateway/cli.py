@@ -224,8 +224,16 @@ def main(argv: list[str] | None = None) -> int:
         open_files = prepare_open_files(fds_per_connection=2)
         limits = http_limits_from_args(args, open_files.max_connections)
         # Keyed mode refuses POST bodies that are not JSON: a browser's cross-site
-        # "simple" request (text/plain, form types) is never served.
-        guard = GuardConfig(config.max_body_bytes, require_json=config.api_keys_path is not None)
+        # "simple" request (text/plain, form types) is never served. The audio API's
+        # uploads are forms; a simple request cannot carry the Authorization header
+        # keyed mode wants, so a cross-site one is a 401 there.
+        from gateway.audio import AUDIO_PATHS
+
+        guard = GuardConfig(
+            config.max_body_bytes,
+            require_json=config.api_keys_path is not None,
+            form_paths=frozenset(AUDIO_PATHS),
+        )
     except ValueError as exc:
         print(f"prefixgate gateway: {exc}")
         return 2

@@ -45,6 +45,8 @@ REQUEST_ID_MADE = "prefixgate.request_id_made"
 class GuardConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     require_json: bool = False  # POST bodies must be application/json
+    # ... except these paths' bodies, which may be multipart/form-data (file uploads)
+    form_paths: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -72,6 +74,7 @@ class Guard:
             and scope["method"] == "POST"
             and (chunked or declared not in (None, b"0"))  # a POST with a body
             and not _is_json(content_type)
+            and not (scope["path"] in self.config.form_paths and _is_form(content_type))
         ):
             shown = content_type.decode("latin-1") if content_type else "none"
             message = f"POST bodies must be sent with Content-Type: application/json (got {shown})."
@@ -165,6 +168,12 @@ def _is_json(content_type: bytes | None) -> bool:
     media = content_type.split(b";", 1)[0].strip().lower()
     return media == b"application/json" or (
         media.startswith(b"application/") and media.endswith(b"+json")
+    )
+
+
+def _is_form(content_type: bytes | None) -> bool:
+    return content_type is not None and content_type.split(b";", 1)[0].strip().lower() == (
+        b"multipart/form-data"
     )
 
 

@@ -23,7 +23,8 @@ remembered (path, method, status) among the requests below.
 ``POST /v1/messages`` (Anthropic's, streamed or not) a fixed message, and its
 ``count_tokens`` the number of messages; ``POST /generate`` (SGLang's) a fixed text, or,
 for a ``rid`` that starts ``hold-``, nothing until ``POST /abort_request`` names it (or
-``abort_all``): then its ``finish_reason`` is ``abort``.
+``abort_all``): then its ``finish_reason`` is ``abort``. ``POST /v1/audio/transcriptions``
+(and translations) a fixed text, streamed when the form says ``stream=true``.
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections import deque
 from dataclasses import dataclass, field
@@ -122,6 +124,8 @@ class StubBackend:
             await self._generate(scope, receive, send)
         elif method == "POST" and path == "/abort_request":
             await self._abort(receive, send)
+        elif method == "POST" and path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            await self._audio(scope, receive, send)
         elif method == "POST" and path in ("/v1/messages", "/v1/messages/count_tokens"):
             await self._messages(scope, receive, send)
         elif method == "POST" and path == "/v1/responses":
@@ -198,6 +202,23 @@ class StubBackend:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         for text in ("tok0", "tok0 tok1"):
             event = _event({"text": text, "meta_info": meta})
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def _audio(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """OpenAI's audio API: a form upload, remembered by its size and digest."""
+        raw = await _read(receive)
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        digest = hashlib.sha256(raw).hexdigest()
+        self._remember({"path": scope["path"], "headers": headers, "sha256": digest})
+        if b'name="stream"\r\n\r\ntrue' not in raw:
+            await _send(send, 200, json.dumps({"text": "stub transcript"}).encode())
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for text in ("stub", " transcript"):
+            event = _event(
+                {"object": "transcription.chunk", "choices": [{"delta": {"content": text}}]}
+            )
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
