@@ -24,7 +24,9 @@ remembered (path, method, status) among the requests below.
 ``count_tokens`` the number of messages; ``POST /generate`` (SGLang's) a fixed text, or,
 for a ``rid`` that starts ``hold-``, nothing until ``POST /abort_request`` names it (or
 ``abort_all``): then its ``finish_reason`` is ``abort``. ``POST /v1/audio/transcriptions``
-(and translations) a fixed text, streamed when the form says ``stream=true``.
+(and translations) a fixed text, streamed when the form says ``stream=true``;
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` add a name to, and take it from,
+the ``--lora`` names ``/v1/models`` lists.
 
 It remembers the last requests (``GET /stub/requests``: body and headers) so that tests
 can check what the gateway forwarded.
@@ -124,6 +126,8 @@ class StubBackend:
             await self._generate(scope, receive, send)
         elif method == "POST" and path == "/abort_request":
             await self._abort(receive, send)
+        elif method == "POST" and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            await self._adapter(path, receive, send)
         elif method == "POST" and path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
             await self._audio(scope, receive, send)
         elif method == "POST" and path in ("/v1/messages", "/v1/messages/count_tokens"):
@@ -204,6 +208,22 @@ class StubBackend:
             event = _event({"text": text, "meta_info": meta})
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def _adapter(self, path: str, receive: Receive, send: Send) -> None:
+        """vLLM's run-time LoRA adapters: listed at /v1/models once loaded, until unloaded;
+        vLLM's text answers and its 400s (a name loaded twice, or not loaded)."""
+        body = json.loads(await _read(receive))
+        self._remember({"path": path, "body": body})
+        name, loras = body.get("lora_name"), self.config.loras
+        if path.endswith("/load_lora_adapter") and name not in loras:
+            loras.append(name)
+            await _send(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode())
+        elif path.endswith("/unload_lora_adapter") and name in loras:
+            loras.remove(name)
+            await _send(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode())
+        else:
+            error = _error(f"The lora adapter '{name}' cannot be (un)loaded.", "BadRequestError")
+            await _send(send, 400, json.dumps(error).encode())
 
     async def _audio(self, scope: Scope, receive: Receive, send: Send) -> None:
         """OpenAI's audio API: a form upload, remembered by its size and digest."""

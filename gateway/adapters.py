@@ -1,0 +1,100 @@
+"""vLLM's run-time LoRA adapters through the gateway: ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM serves them with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+
+Reinforcement learning with LoRA loads a new adapter into its engines after each training
+step, and serving stacks load adapters as tenants bring them. Behind the gateway the
+request for an adapter may go to any replica, so each must hold it: the gateway answered
+404, and the clients' only way was every engine's own URL, after which the gateway
+routed the new name only once its next read of the replicas' model lists came round
+(every ``NAMES_REFRESH_S``: a 404 for the name until then).
+
+Now the gateway sends the body to every replica (once per URL: a vLLM's data-parallel
+ranks share one), then reads their model lists at once, so the adapter is routed, with
+its own cache, from the next request. 200 when every replica said yes (vLLM's text
+answer, the first); otherwise the worst status, with each replica's answer. Keyed mode:
+admin keys only (an adapter is a model every tenant may call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from gateway.exchange import Exchange
+from gateway.handler import answer, open_exchange, post_only, read_body
+from gateway.probes import refresh_names
+from gateway.reply import send_bytes, send_json
+from gateway.state import GatewayState
+from prefixgate.json_body import load_json_object
+from prefixgate.wire import OpenAIError, error_body
+from router.protocol import redacted_url
+
+ADAPTER_PATHS: dict[str, str] = {
+    "/v1/load_lora_adapter": "load_lora_adapter",
+    "/v1/unload_lora_adapter": "unload_lora_adapter",
+}
+
+
+async def serve_adapters(state: GatewayState, scope: Scope, receive: Receive, send: Send) -> None:
+    headers, ex = open_exchange(scope, ADAPTER_PATHS[scope["path"]])
+    await answer(state, ex, send, _serve(state, scope, headers, receive, send, ex))
+
+
+async def _serve(
+    state: GatewayState,
+    scope: Scope,
+    headers: dict[str, str],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+) -> None:
+    post_only(scope)
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    if not (state.auth.open or tenant.admin):
+        raise OpenAIError(
+            "Loading or unloading an adapter changes every tenant's models: an admin key's to send",
+            status=403,
+            type="permission_error",
+            code="admin_only",
+        )
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    name = load_json_object(raw).get("lora_name")
+    ex.model = name if isinstance(name, str) else ""
+    urls = dict.fromkeys(view.url for view in state.router.replicas.values())
+    if not urls:
+        raise OpenAIError(
+            "No replica to load the adapter into", status=503, code="no_healthy_replica"
+        )
+    answers = await asyncio.gather(*(_send_one(state, url, scope["path"], raw) for url in urls))
+    await refresh_names(state, {})  # every replica's list, now: the name routes at once
+    failed = [(url, a) for url, a in zip(urls, answers, strict=True) if a[0] != 200]
+    if not failed:
+        text = (b"content-type", b"text/plain; charset=utf-8")
+        await send_bytes(send, 200, answers[0][1].encode(), [text], ex)
+        return
+    status = max(a[0] for _, a in failed)
+    message = f"{len(failed)} of {len(urls)} replicas did not take it: {failed[0][1][1][:300]}"
+    body: dict[str, Any] = error_body(message, code="adapter_failed")
+    body["replicas"] = {
+        redacted_url(url): {"status": a[0], "answer": a[1][:1000]}
+        for url, a in zip(urls, answers, strict=True)
+    }
+    await send_json(send, status if 400 <= status < 600 else 502, body, ex)
+
+
+async def _send_one(state: GatewayState, url: str, path: str, body: bytes) -> tuple[int, str]:
+    """One replica's (status, answer text); 502 and the reason when it gave none."""
+    try:
+        response = await state.client.post(
+            url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=state.config.upstream_timeout_s,
+        )
+    except httpx.HTTPError as exc:
+        return 502, f"no answer: {type(exc).__name__}"
+    return response.status_code, response.text
