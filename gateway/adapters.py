@@ -69,7 +69,12 @@ async def _serve(
         raise OpenAIError(
             "No replica to load the adapter into", status=503, code="no_healthy_replica"
         )
-    answers = await asyncio.gather(*(_send_one(state, url, scope["path"], raw) for url in urls))
+    sent = {"content-type": "application/json"}
+    if (authorization := state.upstream_authorization(headers)) is not None:
+        sent["authorization"] = authorization  # a keyed engine's (state.py)
+    answers = await asyncio.gather(
+        *(_send_one(state, url, scope["path"], raw, sent) for url in urls)
+    )
     await refresh_names(state, {})  # every replica's list, now: the name routes at once
     failed = [(url, a) for url, a in zip(urls, answers, strict=True) if a[0] != 200]
     if not failed:
@@ -86,14 +91,13 @@ async def _serve(
     await send_json(send, status if 400 <= status < 600 else 502, body, ex)
 
 
-async def _send_one(state: GatewayState, url: str, path: str, body: bytes) -> tuple[int, str]:
+async def _send_one(
+    state: GatewayState, url: str, path: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, str]:
     """One replica's (status, answer text); 502 and the reason when it gave none."""
     try:
         response = await state.client.post(
-            url + path,
-            content=body,
-            headers={"content-type": "application/json"},
-            timeout=state.config.upstream_timeout_s,
+            url + path, content=body, headers=headers, timeout=state.config.upstream_timeout_s
         )
     except httpx.HTTPError as exc:
         return 502, f"no answer: {type(exc).__name__}"

@@ -15,6 +15,7 @@ from tests.gateway.conftest import (
     Server,
     StubCluster,
     start_gateway,
+    start_stub,
     stub_cluster,
     write_api_keys,
 )
@@ -85,3 +86,19 @@ def test_only_admin_keys_load_adapters(keyed: Server) -> None:
     loaded = _adapter(keyed, "load", "ops-1", authorization="Bearer sk-ops")
     assert loaded.status_code == 200, loaded.text
     assert _adapter(keyed, "unload", "ops-1", authorization="Bearer sk-ops").status_code == 200
+
+
+def test_a_keyed_engine_gets_the_clients_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Open mode passes the client's Authorization on, as for its chats: an engine
+    started with --api-key takes the load only with it."""
+    root = tmp_path_factory.mktemp("adapters-engine-key")
+    engine = start_stub(root, "engine", "--model", MODEL, "--api-key", "sk-engine")
+    gateway = start_gateway(root, "open", [engine.url], "--model", MODEL)
+    try:
+        without = _adapter(gateway, "load", "k-1")
+        assert without.status_code == 401, without.text
+        loaded = _adapter(gateway, "load", "k-1", authorization="Bearer sk-engine")
+        assert loaded.status_code == 200, loaded.text
+    finally:
+        gateway.stop()
+        engine.stop()
