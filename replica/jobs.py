@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from prefixgate.chat_input import chat_input
@@ -36,7 +37,7 @@ class Job:
     """One accepted request, ready to submit."""
 
     chat: bool
-    response_id: str  # "chatcmpl-…" / "cmpl-…"; also the engine's request id
+    response_id: str  # "chatcmpl-…" / "cmpl-…": the request's name (a client's may repeat)
     model: str
     created: int
     prompt_ids: list[int]
@@ -54,10 +55,9 @@ class Job:
     forced_tool_name: str | None = None  # the named function (None: required)
     single_tool_call: bool = False  # parallel_tool_calls false: the first call only
     part: int | None = None  # a batch's prompt number: its own engine request, one answer
-
-    @property
-    def engine_request_id(self) -> str:
-        return self.response_id if self.part is None else f"{self.response_id}-{self.part}"
+    # The engine's id for it: unique, whatever the answer's id (a client names requests,
+    # and may name two alike; the engine keys its requests by this).
+    engine_request_id: str = field(default_factory=lambda: os.urandom(16).hex())
 
 
 @dataclass(slots=True)

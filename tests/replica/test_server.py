@@ -147,6 +147,47 @@ def test_answer_ids_are_made_of_the_requests_name_as_vllms(replica: ReplicaProce
     assert {chunk.id for chunk in stream} == {"cmpl-s-6"}
 
 
+def test_two_requests_named_alike_are_two_requests(replica: ReplicaProcess) -> None:
+    """A client may name two requests alike (one ``x-request-id`` for a whole session):
+    the answers share the name, the engine runs them apart. Named by their answer's id,
+    the second took the first's place in the engine."""
+    client = replica.async_client(timeout=30)  # a clobbered request never ends
+    same = {"x-request-id": "session-7"}
+
+    async def both() -> list[Any]:
+        return list(
+            await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": f"Count to {n}."}],
+                        max_tokens=24,
+                        temperature=0.0,
+                        extra_headers=same,
+                    )
+                    for n in (3, 9)
+                )
+            )
+        )
+
+    answers = asyncio.run(both())
+    alone = [
+        replica.client()
+        .chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Count to {n}."}],
+            max_tokens=24,
+            temperature=0.0,
+        )
+        .choices[0]
+        .message.content
+        for n in (3, 9)
+    ]
+    assert [a.id for a in answers] == ["chatcmpl-session-7"] * 2
+    assert [a.choices[0].message.content for a in answers] == alone
+    wait_until(lambda: replica.cache_stats()["pinned_blocks"] == 0, what="no pinned blocks")
+
+
 def test_cache_salt_isolates_tenants(replica: ReplicaProcess) -> None:
     client = replica.client()
     _chat(client, "Salted?", extra_body={"cache_salt": "tenant-a"})
