@@ -40,6 +40,7 @@ PASSTHROUGH_PATHS: dict[str, str] = {
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
     "/v1/embeddings": "embeddings",
+    "/v2/embed": "embeddings",  # Cohere's embed API, as vLLM serves it
     "/pooling": "pooling",
     "/classify": "classify",
     "/score": "score",

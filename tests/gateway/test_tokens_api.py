@@ -235,6 +235,7 @@ def stubs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "/v1/messages/render",
         "/v1/responses/render",  # not a stored response's id
         "/v1/chat/completions/derender",
+        "/v2/embed",  # Cohere's embed API, which vLLM serves too
     ],
 )
 def test_the_scale_out_endpoints_pass_through(stubs: Any, path: str) -> None:
