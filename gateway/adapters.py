@@ -24,7 +24,7 @@ import httpx
 from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
-from gateway.handler import answer, open_exchange, post_only, read_body
+from gateway.handler import answer, open_exchange, read_post
 from gateway.probes import refresh_names
 from gateway.reply import send_bytes, send_json
 from gateway.state import GatewayState
@@ -51,9 +51,7 @@ async def _serve(
     send: Send,
     ex: Exchange,
 ) -> None:
-    post_only(scope)
-    tenant = state.auth.authenticate(headers.get("authorization"))
-    ex.tenant = tenant.name
+    tenant, raw = await read_post(state, scope, headers, receive, ex)
     if not (state.auth.open or tenant.admin):
         raise OpenAIError(
             "Loading or unloading an adapter changes every tenant's models: an admin key's to send",
@@ -61,7 +59,6 @@ async def _serve(
             type="permission_error",
             code="admin_only",
         )
-    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     name = load_json_object(raw).get("lora_name")
     ex.model = name if isinstance(name, str) else ""
     urls = dict.fromkeys(view.url for view in state.router.replicas.values())

@@ -22,8 +22,7 @@ from gateway.handler import (
     answer,
     forward_watched,
     open_exchange,
-    post_only,
-    read_body,
+    read_post,
     unknown_model,
 )
 from gateway.passthrough import the_only_model
@@ -54,9 +53,7 @@ async def _serve(
     send: Send,
     ex: Exchange,
 ) -> None:
-    post_only(scope)
-    ex.tenant = state.auth.authenticate(headers.get("authorization")).name
-    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    _, raw = await read_post(state, scope, headers, receive, ex)
     content_type = headers.get("content-type", "")
     fields = form_fields(raw, content_type)
     model = fields.get("model") or the_only_model(state)

@@ -32,12 +32,12 @@ from gateway.handler import (
     answer,
     forward_watched,
     open_exchange,
-    post_only,
-    read_body,
+    read_post,
     refuse_salted,
 )
 from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
+from gateway.reply import send_bytes
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import CompletionRequest, OpenAIError, parse_request
@@ -59,11 +59,8 @@ async def _serve(
     send: Send,
     ex: Exchange,
 ) -> None:
-    post_only(scope)
-    tenant = state.auth.authenticate(headers.get("authorization"))
-    ex.tenant = tenant.name
+    tenant, raw = await read_post(state, scope, headers, receive, ex)
     refuse_salted(state, tenant, f"{PATH} (SGLang's native API)")
-    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     body = load_json_object(raw)
     model = the_only_model(state)
     ex.model, ex.stream = model or "", body.get("stream") is True
@@ -118,10 +115,7 @@ async def _abort(
     """SGLang's ``POST /abort_request``: ``rid`` to the replica running it
     (gateway/abortable.py); ``abort_all`` to every replica, in open mode or from an admin
     tenant (it stops every tenant's requests)."""
-    post_only(scope)
-    tenant = state.auth.authenticate(headers.get("authorization"))
-    ex.tenant = tenant.name
-    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    tenant, raw = await read_post(state, scope, headers, receive, ex)
     body = load_json_object(raw)
     rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
     if not isinstance(rid, str) or not isinstance(abort_all, bool):
@@ -149,10 +143,7 @@ async def _abort(
             for one in rids
         ]
     await asyncio.gather(*sent)
-    ex.status = 200
-    await send({"type": "http.response.start", "status": 200, "headers": ex.raw_headers()})
-    await send({"type": "http.response.body", "body": b""})
-    ex.responded = True
+    await send_bytes(send, 200, b"", [], ex)  # as the engines answer an abort
 
 
 MEDIA_FIELDS = ("image_data", "audio_data", "video_data")

@@ -127,6 +127,18 @@ def post_only(scope: Scope) -> None:
         )
 
 
+async def read_post(
+    state: GatewayState, scope: Scope, headers: dict[str, str], receive: Receive, ex: Exchange
+) -> tuple[Tenant, bytes]:
+    """A POST's tenant (named in ``ex``) and body within the limit: a 405 for another
+    method, a 401 for a bad key, a 413 for a body too large."""
+    post_only(scope)
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
+    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    return tenant, raw
+
+
 def refuse_salted(state: GatewayState, tenant: Tenant, what: str) -> None:
     """A 403 in keyed mode for a tenant with a salt of its own, on an API that cannot
     carry ``cache_salt`` (``what``): its prompts would share the engine's cache with every

@@ -33,13 +33,13 @@ from gateway.handler import (
     answer,
     forward_watched,
     open_exchange,
-    post_only,
-    read_body,
+    read_post,
     served_model,
     upstream_request_id,
 )
 from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
+from gateway.reply import send_bytes
 from gateway.state import GatewayState
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import CompletionRequest, OpenAIError, parse_request
@@ -69,10 +69,7 @@ async def _generate(
     send: Send,
     ex: Exchange,
 ) -> None:
-    post_only(scope)
-    tenant = state.auth.authenticate(headers.get("authorization"))
-    ex.tenant = tenant.name
-    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    tenant, raw = await read_post(state, scope, headers, receive, ex)
     body = load_json_object(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -95,8 +92,9 @@ async def _generate(
     if model is not None:
         route_model, tokenizer_model, key_model, block_size = served_model(state, model)
         ex.block_size = block_size
-        ids = body.get("token_ids")
         head = keyed_head(body)
+        if head is not None:  # all of it is work: what is not keyed is not cached
+            prompt_tokens = len(body["token_ids"])
         if head:
             request = parse_request(CompletionRequest, {"model": model, "prompt": head})
             assert isinstance(request, CompletionRequest)
@@ -110,8 +108,6 @@ async def _generate(
                 key_model=key_model,
             )
             keys = keyed.keys
-        if isinstance(ids, list) and _token_ids(ids):
-            prompt_tokens = len(ids)  # all of it: what is not keyed is not cached
     request_id = upstream_request_id(ex, body)
     answer_id = ANSWER_ID_PREFIX + (request_id or str(body["request_id"]))
     forwarded = Forward(
@@ -128,17 +124,19 @@ async def _generate(
         await forward_watched(state, ex, forwarded, receive, send)
 
 
-def keyed_head(body: dict[str, Any]) -> list[int]:
+def keyed_head(body: dict[str, Any]) -> list[int] | None:
     """The token ids to key by: all of them, or those before the first multimodal
     placeholder (``features.mm_placeholders``): an engine keys a placeholder's blocks by
     its media's hash as well, which the ids do not carry, so two images would look like
-    one cached prefix. None at all when the engine resolves the media itself
-    (``content_parts``: where its tokens fall is not said), or when the ids are not ids
-    (the replica's 400 to give)."""
+    one cached prefix. None of them when the engine resolves the media itself
+    (``content_parts``: where its tokens fall is not said); None when the ids are not
+    ids (the replica's 400 to give)."""
     ids = body.get("token_ids")
-    if not _token_ids(ids) or body.get("content_parts"):
-        return []
+    if not _token_ids(ids):
+        return None
     assert isinstance(ids, list)
+    if body.get("content_parts"):
+        return []
     features = body.get("features")
     if features is None:
         return ids
@@ -173,10 +171,7 @@ async def _abort(
     send: Send,
     ex: Exchange,
 ) -> None:
-    post_only(scope)
-    tenant = state.auth.authenticate(headers.get("authorization"))
-    ex.tenant = tenant.name
-    raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
+    tenant, raw = await read_post(state, scope, headers, receive, ex)
     ids = load_json_object(raw).get("request_ids")
     if isinstance(ids, str):  # vLLM takes one id as well as a list
         ids = [ids]
@@ -200,7 +195,4 @@ async def _abort(
             for url, rids in targets.items()
         )
     )
-    ex.status = 200
-    await send({"type": "http.response.start", "status": 200, "headers": ex.raw_headers()})
-    await send({"type": "http.response.body", "body": b""})
-    ex.responded = True
+    await send_bytes(send, 200, b"", [], ex)  # as the engines answer an abort

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from starlette.background import BackgroundTasks
 
 from prefixgate.json_body import load_json_object
 from prefixgate.wire import OpenAIError, StreamOptions, parse_request
@@ -283,7 +284,7 @@ def whole_body(gen: Generation, out: RequestOutput, replica: Replica) -> dict[st
 
 
 async def chunks(
-    gen: Generation, handle: RequestHandle, clock: JobClock, replica: Replica, in_flight: InFlight
+    gen: Generation, handle: RequestHandle, clock: JobClock, replica: Replica
 ) -> AsyncIterator[bytes]:
     """A stream's chunks, as vLLM's: one per delta with tokens, text or a finish (an
     abort's has none), the prompt's ids on the first; the usage chunk; ``[DONE]``."""
@@ -321,7 +322,6 @@ async def chunks(
             )
         yield fmt.SSE_DONE
     finally:
-        in_flight.forget(gen.request_id, job.engine_request_id)
         if not handle.finished:  # the client left: free the blocks now
             replica.engine.cancel(job.engine_request_id)
 
@@ -334,16 +334,13 @@ class InFlight:
     """Generate requests not yet finished, by their answer's request id, for
     ``abort_requests``. Clients choose ids, so one id may name several requests.
 
-    Each is forgotten when its answer ends, however it ends; one whose answer never ran
-    (its client left first) is dropped at the next ``add`` once its engine request has
-    finished. So it holds at most the engine's requests, and those finished since."""
+    Each is forgotten when its answer ends, however it ends (a stream's in the task that
+    runs after it, which runs even when its client left before it began), so it holds at
+    most the requests being answered."""
 
     handles: dict[str, dict[str, RequestHandle]] = field(default_factory=dict)
 
     def add(self, request_id: str, engine_request_id: str, handle: RequestHandle) -> None:
-        for rid, by_engine_id in list(self.handles.items()):
-            for eid in [e for e, h in by_engine_id.items() if h.finished]:
-                self.forget(rid, eid)
         self.handles.setdefault(request_id, {})[engine_request_id] = handle
 
     def forget(self, request_id: str, engine_request_id: str) -> None:
@@ -381,7 +378,11 @@ async def generate(request: Request, replica: Replica, in_flight: InFlight) -> R
     handle = _submit(job, replica)
     in_flight.add(gen.request_id, job.engine_request_id, handle)
     if job.stream:
-        return event_stream(chunks(gen, handle, clock, replica, in_flight), handle, job, replica)
+        response = event_stream(chunks(gen, handle, clock, replica), handle, job, replica)
+        after = BackgroundTasks([response.background] if response.background else [])
+        after.add_task(in_flight.forget, gen.request_id, job.engine_request_id)
+        response.background = after
+        return response
     try:
         out = await collect_whole(job, handle, clock, request, replica)
     finally:
