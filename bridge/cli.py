@@ -8,7 +8,7 @@ import contextlib
 import logging
 import signal
 
-from bridge.engine_auth import add_engine_api_key_flag, engine_api_key
+from bridge.engine_auth import add_engine_access_flags, engine_api_key
 from bridge.media import parse_medium_flag
 from bridge.service import Bridge, BridgeConfig
 from bridge.zmq_source import rank_endpoint
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(p, "engine-url", help="the engine's OpenAI server, e.g. http://10.0.0.5:8000")
     add_env_flag(p, "kv-events", help="the engine's event PUB endpoint, e.g. tcp://10.0.0.5:5557")
     add_env_flag(p, "replay", help="the engine's replay endpoint, e.g. tcp://10.0.0.5:5558")
-    add_engine_api_key_flag(p)
+    add_engine_access_flags(p)
     add_env_flag(p, "topic", default="", help="the engine's event topic")
     add_env_flag(p, "redis-url", default="redis://127.0.0.1:6379/0", help="Redis to publish to")
     add_env_flag(p, "replica-id", help="id in Redis (default: host:port of the advertised URL)")
@@ -120,9 +120,12 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return BridgeConfig(
+    config = BridgeConfig(
         engine_url=args.engine_url,
         engine_api_key=key,
+        engine_ca_certs=args.engine_ca_certs,
+        engine_certfile=args.engine_certfile,
+        engine_keyfile=args.engine_keyfile,
         kv_events=args.kv_events,
         redis_url=args.redis_url,
         replay=args.replay,
@@ -138,6 +141,11 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         check_tokenizer=not args.no_tokenizer_check,
         heartbeat_s=args.heartbeat_s,
     )
+    try:
+        config.engine_tls()  # a TLS file that does not load stops the bridge here
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config
 
 
 async def run(config: BridgeConfig) -> None:

@@ -1,10 +1,17 @@
-"""The engine's API key: a vLLM or SGLang started with ``--api-key`` answers 401 to
-``/v1/models`` (and SGLang to ``/tokenize``) without it, so a bridge or a tokenizer check
-that does not send it never learns the engine's model.
+"""How a bridge or a tokenizer check reaches its engine: its API key and its TLS.
+
+A vLLM or SGLang started with ``--api-key`` answers 401 to ``/v1/models`` (and SGLang to
+``/tokenize``) without the key, so a bridge or a tokenizer check that does not send it
+never learns the engine's model.
 
 ``--engine-api-key`` (env ``PREFIXGATE_ENGINE_API_KEY``) names it; without the flag the
 key is ``VLLM_API_KEY``, the variable vLLM itself reads, so that a bridge started beside
 its engine with one environment needs nothing more.
+
+An engine started with vLLM's ``--ssl-certfile`` is called over HTTPS: ``--engine-ca-certs``
+names the CA its certificate is verified against (default: the system's store and
+``SSL_CERT_FILE``), ``--engine-certfile`` and ``--engine-keyfile`` the client certificate
+an engine started with ``--ssl-cert-reqs 2`` wants (prefixgate/tls.py).
 """
 
 from __future__ import annotations
@@ -13,17 +20,19 @@ import argparse
 import os
 
 from prefixgate.envflags import add_env_flag, api_key_value
+from prefixgate.tls import add_client_tls_flags
 
 VLLM_KEY_VAR = "VLLM_API_KEY"
 
 
-def add_engine_api_key_flag(parser: argparse.ArgumentParser) -> None:
+def add_engine_access_flags(parser: argparse.ArgumentParser) -> None:
     add_env_flag(
         parser,
         "engine-api-key",
         metavar="KEY",
         help=f"the engine's --api-key, sent with every request to it (default: ${VLLM_KEY_VAR})",
     )
+    add_client_tls_flags(parser, "engine", "engines")
 
 
 def engine_api_key(value: str | None) -> str | None:

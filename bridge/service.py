@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -32,6 +33,7 @@ from bridge.media import MediumMap
 from bridge.redis_out import REDIS_ERRORS, RedisWriter, WriterConfig
 from bridge.translate import KeyTranslator
 from bridge.zmq_source import EngineEvents, rank_endpoint
+from prefixgate.tls import client_context, tls_failure
 from router.backoff import Backoff
 from router.protocol import DEFAULT_BLOCK_SIZE, Medium
 
@@ -44,6 +46,11 @@ class BridgeConfig:
     kv_events: str
     redis_url: str
     engine_api_key: str | None = field(default=None, repr=False)  # the engine's --api-key
+    # An HTTPS engine (bridge/engine_auth.py): the CA file its certificate is verified
+    # against (None: the system's store and SSL_CERT_FILE), and a client certificate.
+    engine_ca_certs: str | None = None
+    engine_certfile: str | None = None
+    engine_keyfile: str | None = None
     replay: str | None = None
     topic: str = ""
     model: str | None = None  # the served model name; None: the engine's first /v1/models
@@ -69,6 +76,12 @@ class BridgeConfig:
     @property
     def url(self) -> str:
         return (self.advertise_url or self.engine_url).rstrip("/")
+
+    def engine_tls(self) -> ssl.SSLContext:
+        """The context of HTTPS calls to the engine; ValueError names a file that fails."""
+        return client_context(
+            self.engine_ca_certs, self.engine_certfile, self.engine_keyfile, "engine"
+        )
 
     @property
     def resolved_replica_id(self) -> str:
@@ -153,6 +166,7 @@ class Bridge:
             timeout=config.http_timeout_s,
             headers=engine_headers(config.engine_api_key),
             trust_env=False,
+            verify=config.engine_tls(),
         )
         self.stats = BridgeStats()
 
@@ -229,6 +243,8 @@ class Bridge:
                             if self.config.engine_api_key is not None
                             else "start the bridge with --engine-api-key (or VLLM_API_KEY)",
                         )
+                    elif why := tls_failure(exc, "engine", self.config.engine_certfile is not None):
+                        log.warning("engine %s cannot be reached: %s", self.config.engine_url, why)
                     else:
                         log.info(
                             "waiting for engine %s (%.0f s): %s",
@@ -320,7 +336,9 @@ class Bridge:
             tokenizer = await asyncio.to_thread(load_tokenizer, source, self.config.chat_template)
             await self._wait_for_model()  # the engine may still be starting (minutes)
             c = self.config
-            results = await check(c.engine_url, tokenizer, c.model, api_key=c.engine_api_key)
+            results = await check(
+                c.engine_url, tokenizer, c.model, api_key=c.engine_api_key, tls=c.engine_tls()
+            )
         except Exception as exc:  # a failed check must not stop the bridge
             log.warning("tokenizer parity with the engine not checked (%s)", exc)
             return

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ssl
 import sys
 from typing import Any, NamedTuple
 
 import httpx
 
-from bridge.engine_auth import add_engine_api_key_flag, engine_api_key, engine_headers
+from bridge.engine_auth import add_engine_access_flags, engine_api_key, engine_headers
 from prefixgate.envflags import add_env_flag
 from prefixgate.segments import SegmentCache
+from prefixgate.tls import client_context, client_tls_from_args
 from prefixgate.tokenizer import ChatTokenizer, read_chat_template_file
 
 Chat = list[dict[str, str]]
@@ -105,12 +107,17 @@ async def check(
     cases: dict[str, Chat] = CASES,
     timeout_s: float = 30.0,
     api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> list[CaseResult]:
-    """One result per case; an engine that cannot tokenize a case fails that case."""
+    """One result per case; an engine that cannot tokenize a case fails that case.
+    ``tls``: how an HTTPS engine is verified (None: the system's CAs)."""
     engine_url = engine_url.rstrip("/")
     results = []
     headers = engine_headers(api_key)
-    async with httpx.AsyncClient(timeout=timeout_s, headers=headers, trust_env=False) as client:
+    verify = tls or client_context()
+    async with httpx.AsyncClient(
+        timeout=timeout_s, headers=headers, trust_env=False, verify=verify
+    ) as client:
         served = model or await engine_model_name(client, engine_url)
         for name, chat in cases.items():
             ours = tokenizer.encode_chat(chat, add_generation_prompt=True)
@@ -150,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p, "served-model", help="model name to send the engine (default: its first /v1/models)"
     )
-    add_engine_api_key_flag(p)
+    add_engine_access_flags(p)
     add_env_flag(
         p,
         "chat-template",
@@ -169,9 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--engine-url and --model are required")
     try:
         key = engine_api_key(args.engine_api_key)
+        tls = client_tls_from_args(args, "engine")
         template = read_chat_template_file(args.chat_template) if args.chat_template else None
         tokenizer = load_tokenizer(args.model, template)
-        results = asyncio.run(check(args.engine_url, tokenizer, args.served_model, api_key=key))
+        results = asyncio.run(
+            check(args.engine_url, tokenizer, args.served_model, api_key=key, tls=tls)
+        )
     except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
         print(f"prefixgate check-tokenizer: {exc}", file=sys.stderr)
         return 2

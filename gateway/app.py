@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
@@ -57,13 +58,14 @@ from router.router import Router
 log = logging.getLogger("prefixgate.gateway")
 
 
-def make_client(config: GatewayConfig) -> httpx.AsyncClient:
+def make_client(config: GatewayConfig, tls: ssl.SSLContext) -> httpx.AsyncClient:
     """The client for probes and model discovery (a few requests a second at most); it
-    carries the --upstream-api-key: a keyed vLLM or SGLang guards ``/v1/models``."""
+    carries the --upstream-api-key (a keyed vLLM or SGLang guards ``/v1/models``), and
+    verifies HTTPS replicas as the proxied requests do (``tls``)."""
     timeout = httpx.Timeout(config.probe_timeout_s, connect=config.connect_timeout_s)
     key = config.upstream_api_key
     headers = {"authorization": f"Bearer {key}"} if key is not None else None
-    return httpx.AsyncClient(timeout=timeout, trust_env=False, headers=headers)
+    return httpx.AsyncClient(timeout=timeout, trust_env=False, headers=headers, verify=tls)
 
 
 class GatewayApp:
@@ -107,15 +109,17 @@ def create_app(
     # Replicas start unknown: no traffic until a /health probe answers (router/health.py).
     router = router or Router(config.router, policy=config.policy, probe_first=True)
     auth = Authenticator(load_api_keys(config.api_keys_path) if config.api_keys_path else None)
+    tls = config.upstream_tls()
     state = GatewayState(
         config=config,
         router=router,
-        client=make_client(config),
+        client=make_client(config, tls),
         upstream=Upstream(
             config.max_connections_per_replica,
             config.connect_timeout_s,
             config.upstream_timeout_s,
             config.pool_timeout_s,
+            tls,
         ),
         keys=keys or _key_builder(config),
         auth=auth,

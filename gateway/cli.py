@@ -20,6 +20,7 @@ from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from prefixgate.open_files import prepare_open_files
+from prefixgate.tls import add_client_tls_flags, add_server_tls_flags, server_tls_options
 from router.config import RouterConfig, with_options
 
 
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="browser origins allowed to call the gateway (CORS), as vLLM's flag: a JSON "
         'list, or comma-separated; default ["*"] as vLLM, SGLang and LiteLLM; [] for none',
     )
+    add_client_tls_flags(p, "upstream", "replicas")
+    add_server_tls_flags(p)
     add_env_list_flag(p, "model", help="model assumed for static replicas that do not say")
     add_env_flag(p, "tokenizer", help="tokenizer for every model")
     add_env_list_flag(
@@ -196,6 +199,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         router=with_options(RouterConfig(), args.router_option),
         api_keys_path=Path(args.api_keys) if args.api_keys else None,
         upstream_api_key=api_key_value("upstream-api-key", args.upstream_api_key),
+        upstream_ca_certs=args.upstream_ca_certs,
+        upstream_certfile=args.upstream_certfile,
+        upstream_keyfile=args.upstream_keyfile,
         models=args.model,
         tokenizer=args.tokenizer,
         chat_template=chat_template,
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         # its connection and the pooled one to its replica.
         open_files = prepare_open_files(fds_per_connection=2)
         limits = http_limits_from_args(args, open_files.max_connections)
+        tls = server_tls_options(args)
         # Keyed mode refuses POST bodies that are not JSON: a browser's cross-site
         # "simple" request (text/plain, form types) is never served. The audio API's
         # uploads are forms; a simple request cannot carry the Authorization header
@@ -256,5 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         # connection the gateway is closing, and its request fails (a 502 from the balancer).
         timeout_keep_alive=args.keep_alive_s,
         **server_options(limits),
+        **tls,
     )
     return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixgate.tls import client_context
 from router.config import RouterConfig
 from router.policies import POLICIES
 from router.protocol import DEFAULT_BLOCK_SIZE, http_url
@@ -24,6 +26,12 @@ class GatewayConfig:
     # The key the gateway sends its replicas (a vLLM or SGLang started with --api-key) in
     # place of the client's Authorization; None: open mode forwards the client's own.
     upstream_api_key: str | None = field(default=None, repr=False)
+    # HTTPS replicas (prefixgate/tls.py): the CA file their certificates are verified
+    # against (None: the system's store and SSL_CERT_FILE), and a client certificate for
+    # replicas that require one.
+    upstream_ca_certs: str | None = None
+    upstream_certfile: str | None = None
+    upstream_keyfile: str | None = None
     # Model names assumed for static replicas that have not (yet) said what they serve.
     models: list[str] = field(default_factory=list)
     # Tokenizer for every model (overrides the per-model lookup by name).
@@ -64,3 +72,11 @@ class GatewayConfig:
         if self.pool_timeout_s <= 0:
             raise ValueError("pool_timeout_s must be positive")
         self.replicas = [http_url(url, "replica URL").rstrip("/") for url in self.replicas]
+        if self.upstream_ca_certs or self.upstream_certfile or self.upstream_keyfile:
+            self.upstream_tls()  # a file that does not load stops the gateway at start
+
+    def upstream_tls(self) -> ssl.SSLContext:
+        """The context of every HTTPS connection to a replica: requests, probes, listings."""
+        return client_context(
+            self.upstream_ca_certs, self.upstream_certfile, self.upstream_keyfile, "upstream"
+        )

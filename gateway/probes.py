@@ -25,6 +25,7 @@ import httpx
 
 from gateway.state import GatewayState
 from prefixgate.open_files import out_of_files
+from prefixgate.tls import tls_failure
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -35,20 +36,32 @@ def static_replica_id(url: str) -> str:
     return parts.netloc or url
 
 
-async def probe_once(client: httpx.AsyncClient, url: str, timeout: float) -> bool | None:
+async def probe_once(
+    client: httpx.AsyncClient, url: str, timeout: float, state: GatewayState | None = None
+) -> bool | None:
     """Whether the replica answered its health check; None when the gateway could not
-    ask (no file descriptor to spare here: no verdict on the replica)."""
+    ask (no file descriptor to spare here: no verdict on the replica). An HTTPS replica
+    whose TLS fails is named in a warning once (``state.tls_warned``)."""
     try:
         response = await client.get(url + "/health", timeout=timeout)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL is no HTTPError
+        if state is not None and url.startswith("https:") and url not in state.tls_warned:
+            shows = state.config.upstream_certfile is not None
+            if why := tls_failure(exc, "upstream", shows):
+                state.tls_warned.add(url)
+                log.warning("replica %s is never healthy while %s", url, why)
         return None if out_of_files(exc) else False
+    if state is not None:
+        state.tls_warned.discard(url)
     return response.status_code == 200
 
 
 async def probe_all(state: GatewayState) -> None:
     views = list(state.router.replicas.values())
     timeout = state.config.probe_timeout_s
-    results = await asyncio.gather(*(probe_once(state.client, v.url, timeout) for v in views))
+    results = await asyncio.gather(
+        *(probe_once(state.client, v.url, timeout, state) for v in views)
+    )
     for view, ok in zip(views, results, strict=True):
         if ok is not None and view.replica_id in state.router.replicas:  # not removed meanwhile
             state.router.report_probe(view.replica_id, ok)

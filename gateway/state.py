@@ -39,6 +39,7 @@ class GatewayState:
     sync: RedisSync | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
+    tls_warned: set[str] = field(default_factory=set)  # replicas whose TLS fails (probes.py)
     # replica id -> name -> the card it lists for that name (gateway/probes.py, CARD_FIELDS)
     cards: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     # Requests being forwarded, by the ids they may be aborted by (gateway/abortable.py):

@@ -62,7 +62,9 @@ class Upstream:
         connect_timeout_s: float,
         read_timeout_s: float,
         pool_timeout_s: float,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: the context of HTTPS replicas' connections (None: the system's CAs)."""
         if max_per_replica < 1:
             raise ValueError("max_per_replica must be at least 1")
         self._max_per_replica = max_per_replica
@@ -71,7 +73,7 @@ class Upstream:
         self._pool_timeout_s = pool_timeout_s
         self._pools: dict[tuple[str, int, bool], ReplicaPool] = {}
         self._targets: dict[str, Target] = {}
-        self._tls_context: ssl.SSLContext | None = None  # built on the first https replica
+        self._tls_context = tls  # None: built on the first https replica
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
         """Send a POST; returns once the final answer's head arrived. Raises UpstreamError."""

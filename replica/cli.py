@@ -24,6 +24,7 @@ from prefixgate.envflags import add_env_flag
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from prefixgate.open_files import prepare_open_files
+from prefixgate.tls import add_server_tls_flags, served_scheme, server_tls_options
 from replica.chat_flags import add_chat_flags, apply_chat_template_flag
 from replica.eviction import POLICY_NAMES
 from replica.sim.setup import SIM_MODEL, add_sim_flags, build_sim
@@ -33,7 +34,7 @@ log = logging.getLogger("prefixgate.replica")
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 
-def default_advertise_url(host: str, port: int, redis_url: str | None) -> str:
+def default_advertise_url(host: str, port: int, redis_url: str | None, scheme: str = "http") -> str:
     """The URL gateways are told to call when ``--advertise-url`` is not given: the bound
     address (bracketed when IPv6). A wildcard bind (0.0.0.0, ::) is no address another
     host can call (a gateway elsewhere would call itself), so it advertises this host's
@@ -46,7 +47,7 @@ def default_advertise_url(host: str, port: int, redis_url: str | None) -> str:
             " reach this replica at another address)",
             host,
         )
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _address_towards(peer: str | None) -> str:
@@ -109,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p,
         "advertise-url",
-        help="URL gateways should call (default http://host:port; for a wildcard host, this"
-        " host's address on its route to Redis)",
+        help="URL gateways should call (default http://host:port, https:// with "
+        "--ssl-certfile; for a wildcard host, this host's address on its route to Redis)",
     )
     add_env_flag(p, "heartbeat-s", type=float, default=1.0, help="registry heartbeat interval")
     add_env_flag(
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory for stored Responses API conversations (least recently used dropped)",
     )
     add_http_limit_flags(p, send_timeout_s=None)  # its client is a gateway (http_limits.py)
+    add_server_tls_flags(p)
     add_chat_flags(p)
     add_sim_flags(p)
     add_env_flag(
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         open_files = prepare_open_files(fds_per_connection=1)
         limits = http_limits_from_args(args, open_files.max_connections)
         guard = GuardConfig(max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+        tls = server_tls_options(args)
     except ValueError as exc:
         print(f"prefixgate replica: {exc}", file=sys.stderr)
         return 2
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     from router.protocol import redacted_url
 
     advertise_url = args.advertise_url or default_advertise_url(
-        args.host, args.port, args.redis_url
+        args.host, args.port, args.redis_url, served_scheme(args)
     )
     replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"
 
@@ -262,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=int(max(1, args.grace_s)),
         access_log=False,
         **server_options(limits),
+        **tls,
     )
     server = uvicorn.Server(config)
     replica.on_engine_death = lambda: setattr(server, "should_exit", True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
+import ssl
 import threading
 import time
 from collections import deque
@@ -264,7 +265,8 @@ def bind_again(socket: zmq.Socket[bytes], endpoint: str, timeout_s: float = 10.0
 
 class FakeEngineHTTP:
     """``/health``, ``/v1/models``, ``/metrics`` and ``/tokenize`` on a loopback port;
-    with ``api_key``, ``/v1`` paths want it as vLLM's ``--api-key`` does (a 401 without).
+    with ``api_key``, ``/v1`` paths want it as vLLM's ``--api-key`` does (a 401 without);
+    with ``tls`` (a server context), HTTPS as vLLM's ``--ssl-certfile``.
     ``authorizations``: the Authorization header of each request, in order."""
 
     def __init__(
@@ -274,9 +276,11 @@ class FakeEngineHTTP:
         metrics: str = "",
         port: int = 0,
         api_key: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.model = model
         self.api_key = api_key
+        self.tls = tls
         self.authorizations: list[str | None] = []
         self.tokenize = tokenize
         self.metrics = metrics
@@ -286,7 +290,7 @@ class FakeEngineHTTP:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         engine = self
@@ -337,6 +341,8 @@ class FakeEngineHTTP:
                     self._reply(404, b"{}")
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        if self.tls is not None:
+            self._server.socket = self.tls.wrap_socket(self._server.socket, server_side=True)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True).start()

@@ -11,8 +11,11 @@ Data-parallel ranks behind one URL: the bridge follows one rank's events, and sa
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import ssl
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -22,6 +25,7 @@ from bridge.service import Bridge, BridgeConfig
 from tests.bridge.cluster import make_engine
 from tests.bridge.fake_engine import VLLM_METRICS, FakeEngineHTTP
 from tests.conftest import RedisServer, wait_until_async
+from tests.support.certs import Certs, make_certs
 
 pytestmark = pytest.mark.anyio
 
@@ -153,3 +157,72 @@ async def test_the_engine_is_reached_directly_whatever_the_proxy(
     finally:
         await bridge.stop()
         engine.close()
+
+
+@pytest.fixture
+def tls_http(tmp_path: Path) -> Iterator[tuple[FakeEngineHTTP, Certs]]:
+    """An engine serving HTTPS with a certificate from a private CA (vLLM's
+    ``--ssl-certfile``): before the bridge's TLS flags, it never became a replica."""
+    certs = make_certs(tmp_path / "certs")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.server_cert, certs.server_key)
+    server = FakeEngineHTTP(model="tls-model", metrics=VLLM_METRICS, tls=context)
+    server.start()
+    yield server, certs
+    server.stop()
+
+
+async def test_an_https_engine_becomes_a_replica_at_its_https_url(
+    tls_http: tuple[FakeEngineHTTP, Certs], redis_server: RedisServer
+) -> None:
+    http, certs = tls_http
+    engine, endpoint = make_engine(16)
+    config = _config(http, endpoint, redis_server.url, None)
+    config.engine_ca_certs = certs.ca
+    bridge = Bridge(config)
+    engine.start()
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        await asyncio.wait_for(bridge.start(), 10)
+        assert bridge.config.model == "tls-model"
+        record = await wait_until_async(
+            lambda: client.get(f"prefixgate:replica:127.0.0.1:{http.port}"), 10, "the record"
+        )
+        assert record is not None and json.loads(record)["url"] == http.url
+        assert http.url.startswith("https://")
+        await wait_until_async(lambda: "/metrics" in http.requests, 10, "the engine's load read")
+    finally:
+        client.close()
+        await bridge.stop()
+        engine.close()
+
+
+async def test_an_engine_whose_certificate_does_not_verify_is_named_with_the_flag(
+    tls_http: tuple[FakeEngineHTTP, Certs],
+    redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    http, _ = tls_http
+    engine, endpoint = make_engine(16)
+    bridge = Bridge(_config(http, endpoint, redis_server.url, None))  # the system's CAs
+    engine.start()
+    try:
+        with (
+            caplog.at_level(logging.INFO, logger="prefixgate.bridge"),
+            pytest.raises(TimeoutError),
+        ):
+            await asyncio.wait_for(bridge.start(), 1.5)
+        said = [r for r in caplog.records if "does not verify" in r.message]
+        assert said and said[0].levelno == logging.WARNING
+        assert "--engine-ca-certs" in said[0].message
+    finally:
+        await bridge.stop()
+        engine.close()
+
+
+def test_tls_files_that_do_not_load_stop_the_bridge(tmp_path: Path) -> None:
+    base = ["--engine-url", "https://127.0.0.1:1", "--kv-events", "tcp://127.0.0.1:2"]
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--engine-ca-certs", str(tmp_path / "missing.pem")])
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--engine-keyfile", str(tmp_path / "k.pem")])
