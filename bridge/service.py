@@ -33,7 +33,7 @@ from bridge.media import MediumMap
 from bridge.redis_out import REDIS_ERRORS, RedisWriter, WriterConfig
 from bridge.translate import KeyTranslator
 from bridge.zmq_source import EngineEvents, rank_endpoint
-from prefixgate.tls import client_context, tls_failure
+from prefixgate.tls import TLSFiles, client_context, tls_failure
 from router.backoff import Backoff
 from router.protocol import DEFAULT_BLOCK_SIZE, Medium
 
@@ -162,11 +162,14 @@ class Bridge:
         self._tasks: list[asyncio.Task[None]] = []
         # The engine is infrastructure beside the bridge, as replicas are to the gateway:
         # reached directly, never through the environment's HTTP_PROXY.
+        tls = config.engine_tls()
+        files = (config.engine_certfile, config.engine_keyfile, config.engine_ca_certs)
+        self._tls_files = TLSFiles(tls, *files, "engine") if any(files) else None
         self._http = httpx.AsyncClient(
             timeout=config.http_timeout_s,
             headers=engine_headers(config.engine_api_key),
             trust_env=False,
-            verify=config.engine_tls(),
+            verify=tls,
         )
         self.stats = BridgeStats()
 
@@ -206,6 +209,8 @@ class Bridge:
         ]
         if c.check_tokenizer:
             self._tasks.append(asyncio.create_task(self._check_tokenizer(), name="bridge-tok"))
+        if self._tls_files is not None:  # certificates rotated on disk are used at once
+            self._tasks.append(asyncio.create_task(self._tls_files.watch(), name="bridge-tls"))
 
     async def stop(self) -> None:
         self._closing = True

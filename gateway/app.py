@@ -51,6 +51,7 @@ from gateway.routing import KeyBuilder
 from gateway.state import GatewayState
 from gateway.tokens_api import TOKENS_API_PATHS, serve_tokens_api
 from gateway.upstream import Upstream
+from prefixgate.tls import TLSFiles
 from prefixgate.wire import OpenAIError, error_body
 from router.protocol import redacted_url
 from router.router import Router
@@ -110,6 +111,7 @@ def create_app(
     router = router or Router(config.router, policy=config.policy, probe_first=True)
     auth = Authenticator(load_api_keys(config.api_keys_path) if config.api_keys_path else None)
     tls = config.upstream_tls()
+    files = (config.upstream_certfile, config.upstream_keyfile, config.upstream_ca_certs)
     state = GatewayState(
         config=config,
         router=router,
@@ -125,6 +127,7 @@ def create_app(
         auth=auth,
         metrics=GatewayMetrics(lambda: router.replicas),
         affinity=ResponseAffinity(config.redis_url),
+        upstream_tls=TLSFiles(tls, *files, "upstream") if any(files) else None,
     )
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
@@ -171,6 +174,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await probe_all(state)  # before serving: the replicas that answer take traffic at once
     state.tasks.append(asyncio.create_task(probe_loop(state)))
     state.tasks.append(asyncio.create_task(names_loop(state)))
+    if state.upstream_tls is not None:  # certificates rotated on disk are used at once
+        state.tasks.append(asyncio.create_task(state.upstream_tls.watch()))
     if pending:
         state.tasks.append(asyncio.create_task(learn_static_models(state, pending)))
     log.info(

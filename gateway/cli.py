@@ -251,18 +251,24 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from prefixgate.serve import Server
 
-    uvicorn.run(
-        with_cors(Guard(create_app(config), guard), origins),
-        host=config.host,
-        port=config.port,
-        log_level=args.log_level,
-        access_log=False,  # the gateway writes its own structured access log
-        proxy_headers=False,  # the front door: no proxy in front to trust, and a cost per request
-        # uvicorn's 5 s is below every load balancer's idle timeout: one in front reuses a
-        # connection the gateway is closing, and its request fails (a 502 from the balancer).
-        timeout_keep_alive=args.keep_alive_s,
-        **server_options(limits),
-        **tls,
+    server = Server(
+        uvicorn.Config(
+            with_cors(Guard(create_app(config), guard), origins),
+            host=config.host,
+            port=config.port,
+            log_level=args.log_level,
+            access_log=False,  # the gateway writes its own structured access log
+            proxy_headers=False,  # the front door: no proxy in front to trust, and a cost each
+            # uvicorn's 5 s is below every load balancer's idle timeout: one in front reuses
+            # a connection the gateway is closing, and its request fails (a 502 from it).
+            timeout_keep_alive=args.keep_alive_s,
+            **server_options(limits),
+            **tls,
+        )
     )
+    server.run()
+    if not server.started:
+        return 1
     return 0

@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
 from gateway.upstream import Upstream
+from prefixgate.tls import TLSFiles
 from router.router import ReplicaView, Router
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class GatewayState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
     tls_warned: set[str] = field(default_factory=set)  # replicas whose TLS fails (probes.py)
+    upstream_tls: TLSFiles | None = None  # the --upstream-* files, reloaded when they change
     # replica id -> name -> the card it lists for that name (gateway/probes.py, CARD_FIELDS)
     cards: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     # Requests being forwarded, by the ids they may be aborted by (gateway/abortable.py):

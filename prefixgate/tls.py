@@ -11,17 +11,29 @@ the engines: the proxied requests, the health probes and model discovery, the br
 calls. Without a CA file it trusts the system's store, and ``SSL_CERT_FILE`` /
 ``SSL_CERT_DIR`` as OpenSSL reads them; with one, that CA alone. The files are read at
 start-up, so a missing or unreadable one stops the command with its name.
+
+Rotation: cert-manager and Kubernetes secrets replace certificates before they expire,
+and a process that keeps the old one fails every handshake once it has. Every process
+here reloads its TLS files into the context in use when they change (``TLSFiles``: a
+stat of each every ``REFRESH_S``; vLLM does it with ``--enable-ssl-refresh``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
 import ssl
 from typing import Any
 
 import httpx
 
 from prefixgate.envflags import add_env_flag, env_var
+
+log = logging.getLogger("prefixgate.tls")
+
+REFRESH_S = 10.0  # how often TLS files are checked for a replacement
 
 # vLLM's --ssl-cert-reqs values: the ssl module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED.
 CERT_REQS = (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED))
@@ -184,3 +196,80 @@ def _load_cas(context: ssl.SSLContext, cafile: str, flag: str) -> None:
         raise ValueError(f"{flag}: no such file {cafile}") from None
     except (ssl.SSLError, OSError) as exc:
         raise ValueError(f"{flag} {cafile} does not load: {exc}") from None
+
+
+class TLSFiles:
+    """The files a TLS context was loaded from, reloaded into it when one changes.
+
+    A change is a new (inode, size, mtime) of the file a path names, symlinks followed:
+    Kubernetes swaps a secret's files by renaming a link. A new certificate and key are
+    loaded into a scratch context first, so a pair caught half-replaced (the certificate
+    new, the key old) leaves the context in use as it was (OpenSSL would drop the old key
+    on the mismatch), and is tried again at the next change. CAs are added to the ones
+    the context trusts (OpenSSL cannot remove one), so old and new both verify through a
+    CA's rotation."""
+
+    __slots__ = ("_seen", "ca_certs", "certfile", "context", "keyfile", "what")
+
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        certfile: str | None,
+        keyfile: str | None,
+        ca_certs: str | None,
+        what: str,
+    ) -> None:
+        self.context = context
+        self.certfile = certfile
+        self.keyfile = keyfile
+        self.ca_certs = ca_certs
+        self.what = what  # whose files, for the log: "served", "upstream", "engine"
+        self._seen = self._stamp()
+
+    @property
+    def paths(self) -> list[str]:
+        return [p for p in (self.certfile, self.keyfile, self.ca_certs) if p is not None]
+
+    def _stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        stamps: list[tuple[int, int, int] | None] = []
+        for path in self.paths:
+            try:
+                st = os.stat(path)
+                stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                stamps.append(None)
+        return tuple(stamps)
+
+    def check(self) -> bool:
+        """Reload the files if one changed since the last check; True when it did. Files
+        that do not load keep the context as it was, and are named once per change."""
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return False
+        self._seen = stamp
+        try:
+            if self.certfile is not None:
+                scratch = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                scratch.load_cert_chain(self.certfile, self.keyfile)
+            if self.ca_certs is not None:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(self.ca_certs)
+        except (ssl.SSLError, OSError) as exc:
+            log.warning(
+                "%s TLS files changed but do not load (%s): kept the old ones", self.what, exc
+            )
+            return False
+        if self.certfile is not None:
+            self.context.load_cert_chain(self.certfile, self.keyfile)
+        if self.ca_certs is not None:
+            self.context.load_verify_locations(self.ca_certs)
+        log.info("%s TLS files reloaded: %s", self.what, ", ".join(self.paths))
+        return True
+
+    async def watch(self) -> None:
+        """``check`` every ``REFRESH_S``, in the event loop that makes the handshakes."""
+        while True:
+            await asyncio.sleep(REFRESH_S)  # the check period
+            try:
+                self.check()
+            except Exception:  # a reload bug must not end the watch
+                log.exception("%s TLS files: reload failed", self.what)

@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from prefixgate.segments import SegmentCache
+    from prefixgate.serve import Server
     from replica.engine import Engine, EngineConfig
     from replica.metrics import ReplicaMetrics
     from replica.publisher import Publisher, PublisherConfig
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         **server_options(limits),
         **tls,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     replica.on_engine_death = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
     # this handler in place that re-raise is a no-op and the process exits 0.

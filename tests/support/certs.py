@@ -33,7 +33,7 @@ def _self_signed(cwd: Path, name: str) -> None:
     )  # fmt: skip
 
 
-def _signed(cwd: Path, name: str) -> None:
+def _signed(cwd: Path, name: str, ca: str = "ca") -> None:
     _openssl(
         "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
         "-out", f"{name}.csr", "-subj", f"/CN={name}",
@@ -43,10 +43,18 @@ def _signed(cwd: Path, name: str) -> None:
         "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
     )
     _openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
         "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext",
         cwd=cwd,
     )  # fmt: skip
+
+
+def issue(directory: Path, name: str, ca: str = "ca") -> tuple[str, str]:
+    """Another certificate for 127.0.0.1 (``name``.pem, ``name``.key) signed by ``ca``
+    (``ca`` or ``other-ca`` of ``make_certs``; ``directory`` is theirs), with a key of its
+    own."""
+    _signed(directory, name, ca)
+    return f"{directory}/{name}.pem", f"{directory}/{name}.key"
 
 
 def make_certs(directory: Path) -> Certs:
