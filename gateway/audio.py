@@ -63,7 +63,7 @@ async def _serve(
         if not state.has_unknown_model_replica():
             raise unknown_model(model)
         model = None  # only replicas that have not said what they serve: any may try
-    sent = forward_headers(ex.request_id, state.upstream_authorization(headers))
+    sent = forward_headers(ex.request_id, state.upstream_authorization(headers), headers)
     sent["content-type"] = content_type  # the form's, with its boundary
     request = Forward(
         keys=[],

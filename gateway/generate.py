@@ -83,7 +83,7 @@ async def _serve(
         model=model,
         path=PATH,
         body=raw,
-        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
+        headers=forward_headers(ex.request_id, state.upstream_authorization(headers), headers),
         stream=ex.stream,
     )
     with state.sglang_generating.hold(_rids(body.get("rid")), tenant.name, ex):
@@ -122,7 +122,7 @@ async def _abort(
         raise OpenAIError(
             "rid: a request id (a string); abort_all: a boolean", param="rid", code="invalid_value"
         )
-    forwarded = forward_headers(ex.request_id, state.upstream_authorization(headers))
+    forwarded = forward_headers(ex.request_id, state.upstream_authorization(headers), headers)
     if abort_all:
         if not (state.auth.open or tenant.admin):
             raise OpenAIError(

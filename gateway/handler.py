@@ -238,7 +238,7 @@ async def _serve(
         path=path,
         body=raw,
         headers=forward_headers(
-            upstream_request_id(ex, body), state.upstream_authorization(headers)
+            upstream_request_id(ex, body), state.upstream_authorization(headers), headers
         ),
         stream=parsed.stream,
     )

@@ -89,7 +89,7 @@ async def _serve(
         model=route_model,
         path=PATH,
         body=raw,
-        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
+        headers=forward_headers(ex.request_id, state.upstream_authorization(headers), headers),
         stream=ex.stream,
         hooks=MessagesHooks(),  # its streams end at message_stop, not [DONE]
     )

@@ -112,7 +112,7 @@ async def _serve(
         path=path,
         body=raw,
         headers=forward_headers(
-            upstream_request_id(ex, body), state.upstream_authorization(headers)
+            upstream_request_id(ex, body), state.upstream_authorization(headers), headers
         ),
         stream=False,
         method=method,

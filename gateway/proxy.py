@@ -18,7 +18,7 @@ the router a request started and finished.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from starlette.types import Send
@@ -409,13 +409,27 @@ def split_complete_events(data: bytes) -> tuple[bytes, bytes]:
     return data[:end], data[end:]
 
 
-def forward_headers(request_id: str | None, authorization: str | None) -> dict[str, str]:
+# Request headers engines read, passed on as the client sent them: W3C trace context
+# (vLLM with --otlp-traces-endpoint makes its spans children of the caller's), and vLLM's
+# per-request priority (--scheduling-policy priority) and session id (named in its block
+# events). Nothing else of the client's goes upstream.
+PASSED_ON = ("traceparent", "tracestate", "x-vllm-priority", "x-session-id")
+
+
+def forward_headers(
+    request_id: str | None, authorization: str | None, client: Mapping[str, str]
+) -> dict[str, str]:
     """Headers sent upstream: the content type, the request id (None: none, the body's
-    ``request_id`` names the request: gateway/handler.py ``upstream_request_id``), and
-    the Authorization a keyed replica needs (``GatewayState.upstream_authorization``)."""
+    ``request_id`` names the request: gateway/handler.py ``upstream_request_id``), the
+    Authorization a keyed replica needs (``GatewayState.upstream_authorization``), and
+    the ``PASSED_ON`` headers of the ``client``'s (lower-cased, as ASGI gives them)."""
     out = {"content-type": "application/json"}
     if request_id is not None:
         out["x-request-id"] = request_id
     if authorization:
         out["authorization"] = authorization
+    for name in PASSED_ON:
+        value = client.get(name)
+        if value is not None:
+            out[name] = value
     return out

@@ -130,7 +130,7 @@ async def _request(
         model=None,
         path=upstream_path + (f"?{query}" if query else ""),
         body=b"",
-        headers=forward_headers(ex.request_id, state.upstream_authorization(headers)),
+        headers=forward_headers(ex.request_id, state.upstream_authorization(headers), headers),
         stream=parse_qs(query).get("stream") == ["true"],  # GET ?stream=true: events
         method=method,
         pinned=_pinned(state, owner),
@@ -151,9 +151,10 @@ async def _create(
         else:
             body["cache_salt"] = salt
         raw = json.dumps(body, separators=(",", ":")).encode()
-    # prompt_cache_key, then X-Conversation-Id / session_id (``user`` left out: the chain
+    # prompt_cache_key, vLLM's session_id, then the headers (``user`` left out: the chain
     # outranks it), scoped by tenant as chats are
-    explicit = conversation_key({"prompt_cache_key": body.get("prompt_cache_key")}, headers)
+    named = {k: body.get(k) for k in ("prompt_cache_key", "session_id")}
+    explicit = conversation_key(named, headers)
     scoped = state.auth.scoped_conversation
     hooks = ResponsesHooks(
         state.affinity,
@@ -162,7 +163,7 @@ async def _create(
         record=True,
         count_cached=req.previous_response_id is None,
     )
-    sent = forward_headers(ex.request_id, state.upstream_authorization(headers))
+    sent = forward_headers(ex.request_id, state.upstream_authorization(headers), headers)
     if req.previous_response_id is not None:
         owner = await _owner(state, req.previous_response_id, tenant.name, "previous_response_id")
         hooks.conversation = scoped(tenant, explicit) or owner.conversation

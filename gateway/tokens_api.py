@@ -117,7 +117,7 @@ async def _generate(
         model=route_model,
         path=PATH,
         body=raw,
-        headers=forward_headers(request_id, state.upstream_authorization(headers)),
+        headers=forward_headers(request_id, state.upstream_authorization(headers), headers),
         stream=ex.stream,
     )
     with state.generating.hold([answer_id], tenant.name, ex):
@@ -188,7 +188,7 @@ async def _abort(
             code="invalid_value",
         )
     targets = state.generating.targets(ids, tenant.name, state.router.replicas, state.auth.open)
-    headers = forward_headers(ex.request_id, state.upstream_authorization(headers))
+    headers = forward_headers(ex.request_id, state.upstream_authorization(headers), headers)
     await asyncio.gather(
         *(
             abort_at(state.upstream, url, ABORT_PATH, {"request_ids": rids}, headers)

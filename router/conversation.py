@@ -5,16 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_HEADERS = ("x-conversation-id", "session_id")
+_HEADERS = ("x-conversation-id", "session_id", "x-session-id")
 
 
 def conversation_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
-    """``prompt_cache_key`` body field, then the ``X-Conversation-Id`` or ``session_id``
-    header (any case), then the ``user`` body field; None when none is a non-empty string.
-    """
-    value = body.get("prompt_cache_key")
-    if isinstance(value, str) and value:
-        return value
+    """``prompt_cache_key`` body field (OpenAI's), then ``session_id`` (vLLM's: "stable
+    across the requests of one conversation or agent session"), then the
+    ``X-Conversation-Id``, ``session_id`` or ``X-Session-ID`` header (any case), then the
+    ``user`` body field; None when none is a non-empty string."""
+    for field in ("prompt_cache_key", "session_id"):
+        value = body.get(field)
+        if isinstance(value, str) and value:
+            return value
     lowered = {name.lower(): v for name, v in headers.items()}
     for name in _HEADERS:
         header = lowered.get(name)
