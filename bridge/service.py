@@ -28,6 +28,7 @@ import httpx
 
 from bridge.engine_auth import engine_headers
 from bridge.engine_load import engine_ranks, parse_load
+from bridge.event_sources import fetch_sources, meet
 from bridge.follower import EventFollower
 from bridge.media import MediumMap
 from bridge.redis_out import REDIS_ERRORS, RedisWriter, WriterConfig
@@ -172,6 +173,7 @@ class Bridge:
             verify=tls,
         )
         self.stats = BridgeStats()
+        self.event_source_notes: list[str] | None = None  # None: not checked (yet)
 
     # ----------------------------------------------------------------------- lifecycle
 
@@ -209,6 +211,7 @@ class Bridge:
         ]
         if c.check_tokenizer:
             self._tasks.append(asyncio.create_task(self._check_tokenizer(), name="bridge-tok"))
+        self._tasks.append(asyncio.create_task(self._check_event_sources(), name="bridge-src"))
         if self._tls_files is not None:  # certificates rotated on disk are used at once
             self._tasks.append(asyncio.create_task(self._tls_files.watch(), name="bridge-tls"))
 
@@ -331,6 +334,22 @@ class Bridge:
             await asyncio.sleep(self.config.heartbeat_s)  # the heartbeat period
 
     # ----------------------------------------------------------------------- tokenizer
+
+    async def _check_event_sources(self) -> None:
+        """The engine's publisher against this bridge's socket (bridge/event_sources.py),
+        once the engine answers."""
+        try:
+            await self._wait_for_model()  # the engine may still be starting (minutes)
+            sources = await fetch_sources(self._http, self.config.engine_url)
+            if sources is not None:
+                self.event_source_notes = meet(
+                    sources,
+                    self.config.data_parallel_rank or 0,
+                    self.source,
+                    self.config.engine_url,
+                )
+        except Exception as exc:  # a failed check must not stop the bridge
+            log.warning("the engine's event publisher not checked (%s)", exc)
 
     async def _check_tokenizer(self) -> None:
         from bridge.tokenizer_check import check, load_tokenizer, report

@@ -96,6 +96,15 @@ class EngineEvents:
         self.malformed = 0  # messages that were not [topic, seq, payload]
         self.disconnects = 0
 
+    def bind_also(self, endpoint: str) -> None:
+        """Listen on ``endpoint`` as well: for an engine that connects to an address the
+        bridge was told to connect to too (bridge/event_sources.py). Raises ZMQError."""
+        self._sub.bind(endpoint)
+
+    def subscribe_also(self, topic: str) -> None:
+        """Receive ``topic``'s messages as well (the engine's, when it differs)."""
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+
     async def take_disconnected(self) -> bool:
         """Whether the engine's connection dropped since the last call (it may have
         restarted; ZMQ reconnects on its own, silently)."""

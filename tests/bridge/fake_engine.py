@@ -266,7 +266,8 @@ def bind_again(socket: zmq.Socket[bytes], endpoint: str, timeout_s: float = 10.0
 class FakeEngineHTTP:
     """``/health``, ``/v1/models``, ``/metrics`` and ``/tokenize`` on a loopback port;
     with ``api_key``, ``/v1`` paths want it as vLLM's ``--api-key`` does (a 401 without);
-    with ``tls`` (a server context), HTTPS as vLLM's ``--ssl-certfile``.
+    with ``tls`` (a server context), HTTPS as vLLM's ``--ssl-certfile``; with
+    ``event_sources``, ``/kv_event_sources`` as vLLM 0.32 serves it (else a 404).
     ``authorizations``: the Authorization header of each request, in order."""
 
     def __init__(
@@ -277,8 +278,10 @@ class FakeEngineHTTP:
         port: int = 0,
         api_key: str | None = None,
         tls: ssl.SSLContext | None = None,
+        event_sources: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
+        self.event_sources = event_sources
         self.api_key = api_key
         self.tls = tls
         self.authorizations: list[str | None] = []
@@ -327,6 +330,8 @@ class FakeEngineHTTP:
                     self._reply(200, json.dumps(data).encode())
                 elif self.path == "/metrics":
                     self._reply(200, engine.metrics.encode(), "text/plain; version=0.0.4")
+                elif self.path == "/kv_event_sources" and engine.event_sources is not None:
+                    self._reply(200, json.dumps(engine.event_sources).encode())
                 else:
                     self._reply(404, b"{}")
 
