@@ -24,7 +24,9 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import ssl
+import tempfile
 from typing import Any
 
 import httpx
@@ -198,14 +200,23 @@ def _load_cas(context: ssl.SSLContext, cafile: str, flag: str) -> None:
         raise ValueError(f"{flag} {cafile} does not load: {exc}") from None
 
 
+def _copy(path: str | None, directory: str, name: str) -> str | None:
+    if path is None:
+        return None
+    target = os.path.join(directory, name)
+    shutil.copyfile(path, target)
+    return target
+
+
 class TLSFiles:
     """The files a TLS context was loaded from, reloaded into it when one changes.
 
     A change is a new (inode, size, mtime) of the file a path names, symlinks followed:
     Kubernetes swaps a secret's files by renaming a link. A new certificate and key are
-    loaded into a scratch context first, so a pair caught half-replaced (the certificate
-    new, the key old) leaves the context in use as it was (OpenSSL would drop the old key
-    on the mismatch), and is tried again at the next change. CAs are added to the ones
+    copied, then loaded into a scratch context from the copies, then into the one in use
+    from the same copies: a pair caught half-replaced (the certificate new, the key old)
+    leaves the context in use as it was (OpenSSL would drop its key on the mismatch, and
+    it would then serve no cipher), and is tried again at the next change. CAs are added to the ones
     the context trusts (OpenSSL cannot remove one), so old and new both verify through a
     CA's rotation."""
 
@@ -247,21 +258,30 @@ class TLSFiles:
         if stamp == self._seen:
             return False
         self._seen = stamp
-        try:
-            if self.certfile is not None:
-                scratch = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-                scratch.load_cert_chain(self.certfile, self.keyfile)
-            if self.ca_certs is not None:
-                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(self.ca_certs)
-        except (ssl.SSLError, OSError) as exc:
-            log.warning(
-                "%s TLS files changed but do not load (%s): kept the old ones", self.what, exc
-            )
-            return False
-        if self.certfile is not None:
-            self.context.load_cert_chain(self.certfile, self.keyfile)
-        if self.ca_certs is not None:
-            self.context.load_verify_locations(self.ca_certs)
+        # Copies, so that what is checked is what is loaded, whatever changes meanwhile.
+        with tempfile.TemporaryDirectory(prefix="prefixgate-tls-") as scratch_dir:
+            try:
+                cert, key, cas = (
+                    _copy(path, scratch_dir, name)
+                    for path, name in (
+                        (self.certfile, "cert"),
+                        (self.keyfile, "key"),
+                        (self.ca_certs, "cas"),
+                    )
+                )
+                if cert is not None:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+                if cas is not None:
+                    ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cas)
+            except (ssl.SSLError, OSError) as exc:
+                log.warning(
+                    "%s TLS files changed but do not load (%s): kept the old ones", self.what, exc
+                )
+                return False
+            if cert is not None:
+                self.context.load_cert_chain(cert, key)
+            if cas is not None:
+                self.context.load_verify_locations(cas)
         log.info("%s TLS files reloaded: %s", self.what, ", ".join(self.paths))
         return True
 
