@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout_keep_alive=args.keep_alive_s,
             **server_options(limits),
             **tls,
-        )
+        ),
+        handshake_timeout_s=limits.header_timeout_s,
     )
     server.run()
     if not server.started:

@@ -1,10 +1,20 @@
-"""The servers' uvicorn ``Server``, which reloads its TLS files when they change
-(``prefixgate.tls.TLSFiles``): a certificate rotated on disk is served without a restart.
-Imported by the CLIs once they start serving: uvicorn costs ``--help`` time."""
+"""The servers' uvicorn ``Server``, with what TLS needs beyond uvicorn's options.
+
+* Its TLS files are reloaded when they change (``prefixgate.tls.TLSFiles``): a
+  certificate rotated on disk is served without a restart.
+* A client must finish its TLS handshake within ``handshake_timeout_s`` (the HTTP
+  guard's header timeout), as it must send its request head in time. uvicorn leaves the
+  event loop's default of 60 s, and the guard only sees a connection once its handshake
+  is done: a client that connects and sends nothing held its descriptor six times as
+  long on HTTPS as on HTTP, outside the guard's count of connections.
+
+Imported by the CLIs once they start serving: uvicorn costs ``--help`` time.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 
 import uvicorn
@@ -15,11 +25,27 @@ from prefixgate.tls import TLSFiles
 class Server(uvicorn.Server):
     _tls_watch: asyncio.Task[None] | None = None
 
+    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float = 10.0) -> None:
+        super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        config = self.config
+        config = self.config  # loaded by uvicorn's serve() before this
         context = getattr(config, "ssl", None)  # set by Config.load() when serving HTTPS
-        if context is not None and config.ssl_certfile:
+        if context is None:
+            await super().startup(sockets=sockets)
+            return
+        # uvicorn creates its listening sockets with the loop's create_server and no
+        # handshake timeout: give it one, for this call only.
+        loop = asyncio.get_running_loop()
+        loop.create_server = functools.partial(  # type: ignore[method-assign]
+            loop.create_server, ssl_handshake_timeout=self.handshake_timeout_s
+        )
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            del loop.create_server  # the loop's own method again
+        if config.ssl_certfile:
             files = TLSFiles(
                 context,
                 str(config.ssl_certfile),

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         **server_options(limits),
         **tls,
     )
-    server = Server(config)
+    server = Server(config, handshake_timeout_s=limits.header_timeout_s)
     replica.on_engine_death = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
     # this handler in place that re-raise is a no-op and the process exits 0.

@@ -122,7 +122,8 @@ def test_a_file_that_vanishes_keeps_the_context_and_a_link_swap_is_seen(
 
 @pytest.fixture
 def serving(certs: Certs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
-    """The servers' ``Server`` on HTTPS, in a thread, its files checked every 0.1 s."""
+    """The servers' ``Server`` on HTTPS, in a thread, its files checked every 0.1 s, its
+    handshakes given 0.5 s."""
     monkeypatch.setattr(tls, "REFRESH_S", 0.1)
     cert, key = copy_pair(certs.server_cert, certs.server_key, tmp_path)
 
@@ -137,7 +138,7 @@ def serving(certs: Certs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, ssl_certfile=cert, ssl_keyfile=key, lifespan="off"
     )
-    server = Server(config)
+    server = Server(config, handshake_timeout_s=0.5)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     wait_until(lambda: server.started, 20, "the server started")
@@ -167,3 +168,11 @@ def test_a_running_server_serves_its_renewed_certificate(
     wait_until(
         lambda: handshake_certificate(port, certs.ca) == der(new_cert), 10, "the new one served"
     )
+
+
+def test_a_client_that_never_starts_its_handshake_is_let_go(serving: Server) -> None:
+    """It held its connection for the event loop's 60 s, outside the HTTP guard's count
+    and timeouts (the guard sees a connection once its handshake is done)."""
+    with socket.create_connection(("127.0.0.1", serving.config.port), timeout=10) as raw:
+        raw.settimeout(10)  # far below 60 s, far above 0.5 s
+        assert raw.recv(1) == b""  # closed by the server; a timeout here fails the test
