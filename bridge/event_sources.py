@@ -75,7 +75,7 @@ def meet(sources: dict[str, Any], rank: int, events: EngineEvents, engine_url: s
 
 def _meet_endpoint(endpoint: object, events: EngineEvents) -> list[str]:
     if not isinstance(endpoint, str) or binds(endpoint) or binds(events.endpoint):
-        return []  # one side binds: they meet (a wrong port shows as no events; see below)
+        return []  # one side binds: they can meet (a wrong port is not told apart here)
     try:
         events.bind_also(endpoint)
     except zmq.ZMQError as exc:
