@@ -5,8 +5,8 @@
         --port 8100 --enable-prefix-caching --enable-prompt-tokens-details \
         --max-model-len 4096 --ssl-certfile server.pem --ssl-keyfile server.key \
         --ssl-ca-certs ca.pem --ssl-cert-reqs 2 --kv-events-config \
-        '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557",
-          "replay_endpoint":"tcp://127.0.0.1:5558","topic":"kv"}'
+        '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",
+          "replay_endpoint":"tcp://*:5558","topic":"kv"}'
     .venv/bin/python benchmarks/tls_vllm.py --engine-url https://127.0.0.1:8100 \
         --certs DIR   # ca.pem, server.pem/.key (the gateway's own), client.pem/.key
 
