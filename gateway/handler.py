@@ -139,6 +139,24 @@ async def read_post(
     return tenant, raw
 
 
+def with_tenant_salt(
+    state: GatewayState, tenant: Tenant, body: dict[str, Any], raw: bytes
+) -> tuple[bytes, str | None]:
+    """``raw`` with the ``cache_salt`` the replica must see (``forwarded_salt``: keyed
+    mode replaces the client's with the tenant's), re-encoded only when that changes it;
+    and that salt. A salt that is not a string passes, for the replica's 400 (unless
+    keyed mode replaces it)."""
+    client_salt = body.get("cache_salt")
+    salt = state.auth.forwarded_salt(tenant, client_salt if isinstance(client_salt, str) else None)
+    if salt == client_salt or (salt is None and not isinstance(client_salt, str)):
+        return raw, salt
+    if salt is None:
+        body.pop("cache_salt", None)
+    else:
+        body["cache_salt"] = salt
+    return json.dumps(body, separators=(",", ":")).encode(), salt
+
+
 def refuse_salted(state: GatewayState, tenant: Tenant, what: str) -> None:
     """A 403 in keyed mode for a tenant with a salt of its own, on an API that cannot
     carry ``cache_salt`` (``what``): its prompts would share the engine's cache with every

@@ -27,6 +27,7 @@ from gateway.handler import (
     read_body,
     unknown_model,
     upstream_request_id,
+    with_tenant_salt,
 )
 from gateway.messages import read_x_api_key
 from gateway.proxy import Forward, forward_headers
@@ -59,6 +60,16 @@ PASSTHROUGH_PATHS: dict[str, str] = {
     "/v1/chat/completions/derender": "derender",
     "/v1/completions/derender": "derender",
 }
+# vLLM's other generating endpoints (0.32): a batch of chats, one answer each (no stream);
+# a prompt's label tokens scored by the model; a structured decision. Their prompts fill
+# the engine's prefix cache, so keyed mode puts the tenant's cache_salt in them as in a
+# chat. Routed by load: a batch's prompts are many, the others' are one each.
+GENERATING_PATHS: dict[str, str] = {
+    "/v1/chat/completions/batch": "chat_batch",
+    "/generative_scoring": "generative_scoring",
+    "/v1/systemone": "structured_decision",
+}
+PASSTHROUGH_PATHS.update(GENERATING_PATHS)
 # GETs: no body, so the model is the one the replicas serve (lm-evaluation-harness reads
 # ``/tokenizer_info`` to tokenize through the server, as vLLM offers with
 # ``--enable-tokenizer-info-endpoint``).
@@ -88,12 +99,15 @@ async def _serve(
             f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": method}
         )
     read_x_api_key(headers)
-    ex.tenant = state.auth.authenticate(headers.get("authorization")).name
+    tenant = state.auth.authenticate(headers.get("authorization"))
+    ex.tenant = tenant.name
     body: dict[str, Any] = {}
     raw = b""
     if method == "POST":
         raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
         body = load_json_object(raw)
+    if path in GENERATING_PATHS:
+        raw, _ = with_tenant_salt(state, tenant, body, raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")

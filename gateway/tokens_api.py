@@ -22,7 +22,6 @@ request's own id (its ``x-request-id`` header, else its body's ``request_id``: s
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -36,6 +35,7 @@ from gateway.handler import (
     read_post,
     served_model,
     upstream_request_id,
+    with_tenant_salt,
 )
 from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
@@ -76,16 +76,7 @@ async def _generate(
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")
     model = model or the_only_model(state)
     ex.model, ex.stream = model or "", body.get("stream") is True
-    client_salt = body.get("cache_salt")
-    salt = state.auth.forwarded_salt(tenant, client_salt if isinstance(client_salt, str) else None)
-    # A salt that is not a string passes, for the replica's 400 (unless keyed mode
-    # replaces it).
-    if salt != client_salt and (salt is not None or isinstance(client_salt, str)):
-        if salt is None:
-            body.pop("cache_salt", None)
-        else:
-            body["cache_salt"] = salt
-        raw = json.dumps(body, separators=(",", ":")).encode()
+    raw, salt = with_tenant_salt(state, tenant, body, raw)
     keys: list[bytes] = []
     prompt_tokens = 0
     route_model = None

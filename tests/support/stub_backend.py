@@ -48,6 +48,8 @@ from starlette.types import Receive, Scope, Send
 JSON_HEADERS = [(b"content-type", b"application/json")]
 # (path, --reset) -> the answer: vLLM's cache reset (its development mode), busy or not;
 # SGLang's, under its own name.
+# vLLM's other generating endpoints: remembered and answered with their path.
+ECHOED = ("/v1/chat/completions/batch", "/generative_scoring", "/v1/systemone")
 RESETS = {
     ("/reset_prefix_cache", "vllm"): (200, b'{"success":true}'),
     ("/reset_prefix_cache", "vllm-busy"): (200, b'{"success":false}'),
@@ -134,6 +136,8 @@ class StubBackend:
             await self._messages(scope, receive, send)
         elif method == "POST" and path == "/v1/responses":
             await self._responses(scope, receive, send)
+        elif method == "POST" and path in ECHOED:
+            await self._echo(scope, receive, send)
         else:
             self._remember({"path": path, "method": method, "status": 404})
             await _send(
@@ -173,6 +177,13 @@ class StubBackend:
             await self._stream(send, body.get("model", c.model), chat, include_usage)
         else:
             await _send(send, 200, _completion(body.get("model", c.model), chat, c.chunks))
+
+    async def _echo(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's other generating endpoints: the body is remembered and named back."""
+        body = json.loads(await _read(receive))
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self._remember({"path": scope["path"], "body": body, "headers": headers})
+        await _send(send, 200, json.dumps({"path": scope["path"], "object": "stub"}).encode())
 
     async def _embed(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = json.loads(await _read(receive))
