@@ -12,15 +12,12 @@ engine gives directly.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
+from passed_headers_vllm import gateway_from_tree
 
-from prefixgate.procs import free_port, stop_process, wait_http_ok
+from prefixgate.procs import stop_process
 
 MODEL = "smollm2-135m"
 CHATS = [
@@ -57,18 +54,10 @@ def main() -> None:
         print(f"{path:28s} direct          {r.status_code}  {r.text[:160]}")
     for spec in args.tree:
         name, _, tree = spec.partition("=")
-        port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-        log = open(f"/tmp/generating-{name}.log", "ab")  # noqa: SIM115 - the child's
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixgate", "gateway", "--port", str(port),
-             "--replica", args.engine_url, "--model", MODEL],
-            cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        url, proc = gateway_from_tree(tree, args.engine_url, f"/tmp/generating-{name}.log")
         try:
-            wait_http_ok(f"http://127.0.0.1:{port}/ready", 60, [proc])
             for path, body in BODIES.items():
-                r = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=300)
+                r = httpx.post(url + path, json=body, timeout=300)
                 same = r.status_code == direct[path].status_code and (
                     r.status_code != 200 or stable(r.json()) == stable(direct[path].json())
                 )

@@ -101,6 +101,27 @@ def priority(url: str) -> str:
     return f"ended first: priority {done[0]}" + (" (the higher)" if done[0] == "-5" else "")
 
 
+def gateway_from_tree(
+    tree: str, engine_url: str, log_path: str
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """A gateway run from the source tree ``tree`` in front of ``engine_url``, once ready:
+    its URL and process (stopped by the caller)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    log = open(log_path, "ab")  # noqa: SIM115 - the child's
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixgate", "gateway", "--port", str(port),
+         "--replica", engine_url, "--model", MODEL],
+        cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/ready", 60, [proc])
+    except Exception:
+        stop_process(proc, grace_s=5)
+        raise
+    return f"http://127.0.0.1:{port}", proc
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engine-url", required=True)
@@ -117,16 +138,8 @@ def main() -> None:
     ]
     for spec in args.tree:
         name, _, tree = spec.partition("=")
-        port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-        log = open(f"/tmp/passed-headers-{name}.log", "ab")  # noqa: SIM115 - the child's
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixgate", "gateway", "--port", str(port),
-             "--replica", args.engine_url, "--model", MODEL],
-            cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        wait_http_ok(f"http://127.0.0.1:{port}/ready", 60, [proc])
-        targets.append((f"gateway ({name})", f"http://127.0.0.1:{port}", proc))
+        url, proc = gateway_from_tree(tree, args.engine_url, f"/tmp/passed-headers-{name}.log")
+        targets.append((f"gateway ({name})", url, proc))
     results: dict[str, dict[str, Any]] = {}
     sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sub.bind(args.kv_events)  # vLLM connects its publisher to a tcp://host:port endpoint

@@ -143,9 +143,9 @@ def with_tenant_salt(
     state: GatewayState, tenant: Tenant, body: dict[str, Any], raw: bytes
 ) -> tuple[bytes, str | None]:
     """``raw`` with the ``cache_salt`` the replica must see (``forwarded_salt``: keyed
-    mode replaces the client's with the tenant's), re-encoded only when that changes it;
-    and that salt. A salt that is not a string passes, for the replica's 400 (unless
-    keyed mode replaces it)."""
+    mode replaces the client's with the tenant's), and that salt. The body is re-encoded
+    only when that changes it; otherwise its bytes pass as sent. A salt that is not a
+    string passes, for the replica's 400 (unless keyed mode replaces it)."""
     client_salt = body.get("cache_salt")
     salt = state.auth.forwarded_salt(tenant, client_salt if isinstance(client_salt, str) else None)
     if salt == client_salt or (salt is None and not isinstance(client_salt, str)):
@@ -227,14 +227,7 @@ async def _serve(
     route_model, tokenizer_model, key_model, block_size = served_model(state, parsed.model)
     ex.block_size = block_size
 
-    salt = state.auth.forwarded_salt(tenant, parsed.cache_salt)
-    if salt != body.get("cache_salt"):
-        # The only case where the body is re-serialized; otherwise the bytes pass as sent.
-        if salt is None:
-            body.pop("cache_salt", None)
-        else:
-            body["cache_salt"] = salt
-        raw = json.dumps(body, separators=(",", ":")).encode()
+    raw, salt = with_tenant_salt(state, tenant, body, raw)
 
     prompt = await state.keys.keys(
         parsed,

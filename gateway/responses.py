@@ -35,14 +35,20 @@ history (or, with an engine that ignores an unknown id, answer as if there were 
 
 from __future__ import annotations
 
-import json
 from urllib.parse import parse_qs, quote
 
 from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Tenant
 from gateway.exchange import Exchange
-from gateway.handler import answer, forward_watched, open_exchange, read_body, unknown_model
+from gateway.handler import (
+    answer,
+    forward_watched,
+    open_exchange,
+    read_body,
+    unknown_model,
+    with_tenant_salt,
+)
 from gateway.proxy import Forward, forward_headers
 from gateway.response_affinity import AffinityUnavailable, Owner
 from gateway.responses_hooks import ResponsesHooks
@@ -144,13 +150,7 @@ async def _create(
     body = load_json_object(raw)
     req = parse_request(ResponsesRequest, body)
     ex.model, ex.stream = req.model, req.stream
-    salt = state.auth.forwarded_salt(tenant, body.get("cache_salt"))
-    if salt != body.get("cache_salt"):
-        if salt is None:
-            body.pop("cache_salt", None)
-        else:
-            body["cache_salt"] = salt
-        raw = json.dumps(body, separators=(",", ":")).encode()
+    raw, salt = with_tenant_salt(state, tenant, body, raw)
     # prompt_cache_key, vLLM's session_id, then the headers (``user`` left out: the chain
     # outranks it), scoped by tenant as chats are
     named = {k: body.get(k) for k in ("prompt_cache_key", "session_id")}
