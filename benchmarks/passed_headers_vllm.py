@@ -102,20 +102,25 @@ def priority(url: str) -> str:
 
 
 def gateway_from_tree(
-    tree: str, engine_url: str, log_path: str
+    tree: str,
+    engine_url: str | list[str],
+    log_path: str,
+    env: dict[str, str] | None = None,
 ) -> tuple[str, subprocess.Popen[bytes]]:
-    """A gateway run from the source tree ``tree`` in front of ``engine_url``, once ready:
-    its URL and process (stopped by the caller)."""
+    """A gateway run from the source tree ``tree`` in front of ``engine_url`` (one or a
+    list), with ``env`` added to its environment, once ready: its URL and process
+    (stopped by the caller)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(tree).resolve())}
+    replicas = [engine_url] if isinstance(engine_url, str) else engine_url
     log = open(log_path, "ab")  # noqa: SIM115 - the child's
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixgate", "gateway", "--port", str(port),
-         "--replica", engine_url, "--model", MODEL],
+         *[arg for url in replicas for arg in ("--replica", url)], "--model", MODEL],
         cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        wait_http_ok(f"http://127.0.0.1:{port}/ready", 60, [proc])
+        wait_http_ok(f"http://127.0.0.1:{port}/ready?min_replicas={len(replicas)}", 60, [proc])
     except Exception:
         stop_process(proc, grace_s=5)
         raise

@@ -48,6 +48,8 @@ from gateway.probes import (
 from gateway.response_affinity import ResponseAffinity
 from gateway.responses import is_responses_path, serve_responses
 from gateway.routing import KeyBuilder
+from gateway.sagemaker import INVOCATIONS_PATH, PING_PATH, serve_invocations, serve_ping
+from gateway.sagemaker_sessions import Sessions
 from gateway.state import GatewayState
 from gateway.tokens_api import TOKENS_API_PATHS, serve_tokens_api
 from gateway.upstream import Upstream
@@ -97,6 +99,10 @@ class GatewayApp:
             await serve_tokens_api(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == MESSAGES_PATH:
             await serve_messages(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] == INVOCATIONS_PATH:
+            await serve_invocations(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] == PING_PATH:
+            await serve_ping(self.state, scope, send)
         else:
             await self.fallback(scope, receive, send)
 
@@ -128,6 +134,7 @@ def create_app(
         metrics=GatewayMetrics(lambda: router.replicas),
         affinity=ResponseAffinity(config.redis_url),
         upstream_tls=TLSFiles(tls, *files, "upstream") if any(files) else None,
+        sessions=Sessions(config.sagemaker_session_s) if config.sagemaker_session_s else None,
     )
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
+from gateway.sagemaker_sessions import session_seconds_from_env
 from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
@@ -215,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         pool_timeout_s=args.pool_timeout_s,
         key_memo_bytes=_memo_bytes(args.key_memo_mb),
         gateway_id=args.gateway_id,
+        sagemaker_session_s=session_seconds_from_env(),
     )
 
 

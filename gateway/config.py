@@ -57,6 +57,9 @@ class GatewayConfig:
     # pool_timeout_s, then goes to another replica or gets 503 (gateway/upstream.py).
     max_connections_per_replica: int = 1024
     pool_timeout_s: float = 5.0
+    # SageMaker's stateful sessions (gateway/sagemaker.py): how long one lasts, None: off.
+    # Read from vLLM's SAGEMAKER_ENABLE_STATEFUL_SESSIONS and SAGEMAKER_SESSIONS_EXPIRATION.
+    sagemaker_session_s: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -71,6 +74,8 @@ class GatewayConfig:
             raise ValueError("key_memo_bytes must not be negative")
         if self.pool_timeout_s <= 0:
             raise ValueError("pool_timeout_s must be positive")
+        if self.sagemaker_session_s is not None and self.sagemaker_session_s <= 0:
+            raise ValueError("sagemaker_session_s must be positive")
         self.replicas = [http_url(url, "replica URL").rstrip("/") for url in self.replicas]
         if self.upstream_ca_certs or self.upstream_certfile or self.upstream_keyfile:
             self.upstream_tls()  # a file that does not load stops the gateway at start

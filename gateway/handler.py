@@ -220,6 +220,23 @@ async def _serve(
     ex.tenant = tenant.name
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     body = load_json_object(raw)  # 400 for deep nesting and lone surrogates too
+    await serve_body(state, tenant, headers, raw, body, receive, send, ex, schema, path)
+
+
+async def serve_body(
+    state: GatewayState,
+    tenant: Tenant,
+    headers: dict[str, str],
+    raw: bytes,
+    body: dict[str, Any],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+    schema: type[BaseModel],
+    path: str,
+) -> None:
+    """A chat or completion whose body has been read: keyed, routed and forwarded to
+    ``path`` (also SageMaker's ``/invocations``, gateway/sagemaker.py)."""
     parsed = parse_request(schema, body)
     assert isinstance(parsed, ChatCompletionRequest | CompletionRequest)
     ex.model = parsed.model

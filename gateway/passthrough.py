@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.auth import Tenant
 from gateway.exchange import Exchange
 from gateway.handler import (
     answer,
@@ -106,6 +107,24 @@ async def _serve(
     if method == "POST":
         raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
         body = load_json_object(raw)
+    await forward_body(state, tenant, headers, raw, body, receive, send, ex, path, method)
+
+
+async def forward_body(
+    state: GatewayState,
+    tenant: Tenant,
+    headers: dict[str, str],
+    raw: bytes,
+    body: dict[str, Any],
+    receive: Receive,
+    send: Send,
+    ex: Exchange,
+    path: str,
+    method: str = "POST",
+) -> None:
+    """A model endpoint's request whose body has been read: forwarded to ``path`` on a
+    replica serving its model, chosen by load (also SageMaker's ``/invocations`` for
+    pooling models, gateway/sagemaker.py)."""
     if path in GENERATING_PATHS:
         raw, _ = with_tenant_salt(state, tenant, body, raw)
     model = body.get("model")

@@ -19,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
+from gateway.sagemaker_sessions import Sessions
 from gateway.upstream import Upstream
 from prefixgate.tls import TLSFiles
 from router.router import ReplicaView, Router
@@ -48,6 +49,8 @@ class GatewayState:
     # vLLM's token API's (gateway/tokens_api.py), SGLang's /generate's (gateway/generate.py)
     generating: Abortable = field(default_factory=Abortable)
     sglang_generating: Abortable = field(default_factory=Abortable)
+    # SageMaker's stateful sessions (gateway/sagemaker.py); None: not enabled
+    sessions: Sessions | None = None
 
     def upstream_authorization(self, headers: dict[str, str]) -> str | None:
         """The Authorization sent upstream: the gateway's --upstream-api-key; else, in open

@@ -7,9 +7,10 @@ Each starts on a free loopback port and is ready when its health endpoint answer
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,10 @@ def start(
     name: str,
     health: str = "/health",
     preexec_fn: Callable[[], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Server:
+    """``python ARGS``, ready when ``health`` answers 200; ``env`` adds to this
+    process's environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.log"
     with open(log, "ab") as out:
@@ -50,6 +54,7 @@ def start(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=preexec_fn,
+            env=None if env is None else {**os.environ, **env},
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -68,13 +73,18 @@ def start_stub(workdir: Path, name: str, *flags: str) -> Server:
 
 
 def start_gateway(
-    workdir: Path, name: str, replicas: Sequence[str], *flags: str, ready: bool = True
+    workdir: Path,
+    name: str,
+    replicas: Sequence[str],
+    *flags: str,
+    ready: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> Server:
     port = free_port()
     args = ["-m", "prefixgate", "gateway", "--port", str(port), "--probe-interval-s", "0.5"]
     for url in replicas:
         args += ["--replica", url]
-    return start([*args, *flags], port, workdir, name, "/ready" if ready else "/health")
+    return start([*args, *flags], port, workdir, name, "/ready" if ready else "/health", env=env)
 
 
 def start_replica(workdir: Path, name: str, *flags: str) -> Server:

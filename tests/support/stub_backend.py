@@ -48,8 +48,9 @@ from starlette.types import Receive, Scope, Send
 JSON_HEADERS = [(b"content-type", b"application/json")]
 # (path, --reset) -> the answer: vLLM's cache reset (its development mode), busy or not;
 # SGLang's, under its own name.
-# vLLM's other generating endpoints: remembered and answered with their path.
-ECHOED = ("/v1/chat/completions/batch", "/generative_scoring", "/v1/systemone")
+# vLLM's other generating endpoints, and SageMaker's /invocations for a pooling model:
+# remembered and answered with their path.
+ECHOED = ("/v1/chat/completions/batch", "/generative_scoring", "/v1/systemone", "/invocations")
 RESETS = {
     ("/reset_prefix_cache", "vllm"): (200, b'{"success":true}'),
     ("/reset_prefix_cache", "vllm-busy"): (200, b'{"success":false}'),
