@@ -14,10 +14,19 @@ The file is JSON or YAML, a mapping from key to tenant settings::
     sk-team-b: {tenant: team-b, cache_salt: b-2024}
     sk-docs:   {tenant: docs, shared_namespace: true}
     sk-ops:    {tenant: ops, admin: true}
+    sk-batch:  {tenant: batch, priority: 10}
 
 ``admin: true`` lets a key call the gateway's operations that affect every tenant or show
 every tenant's traffic (``POST /reset_prefix_cache``, ``GET /router/stats``); in open
 mode anyone may. Conversation ids are scoped per tenant (``scoped_conversation``).
+
+``priority: N`` is the engine's scheduling priority for every request of the key's
+tenant, in place of the client's (vLLM's ``--scheduling-policy priority``: lower runs
+first). Without it a tenant's ``priority`` field and ``X-Vllm-Priority`` header pass as
+sent, and any tenant may put its requests ahead of every other's. It goes into the
+``X-Vllm-Priority`` header on everything forwarded (vLLM reads that before the body's)
+and into the body's ``priority`` on the endpoints that schedule by it
+(``with_tenant_fields``, gateway/handler.py).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ class Tenant:
     cache_salt: str
     shared_namespace: bool = False
     admin: bool = False  # may call operations that affect every tenant
+    priority: int | None = None  # forced on the tenant's requests; None: the client's
 
     @property
     def salt(self) -> str:
@@ -70,7 +80,12 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
             raise ValueError(
                 f"API key {key[:6]}…: cache_salt is a string, shared_namespace and admin bools"
             )
-        tenants[key] = Tenant(name, salt, shared, admin)
+        priority = spec.get("priority")
+        if priority is not None and (
+            not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= 2**63
+        ):
+            raise ValueError(f"API key {key[:6]}…: priority is an integer (a 64-bit one)")
+        tenants[key] = Tenant(name, salt, shared, admin, priority)
     return tenants
 
 
@@ -106,6 +121,15 @@ class Authenticator:
         tenant = self._by_digest.get(_digest(authorization[7:].strip()))
         if tenant is None:
             raise _unauthorized("Incorrect API key provided.")
+        return tenant
+
+    def authenticate_request(self, headers: dict[str, str]) -> Tenant:
+        """``authenticate`` a request by its headers; a tenant with a ``priority`` of its
+        own has it in their ``x-vllm-priority`` (the header sent on), in place of the
+        client's."""
+        tenant = self.authenticate(headers.get("authorization"))
+        if tenant.priority is not None:
+            headers["x-vllm-priority"] = str(tenant.priority)
         return tenant
 
     def forwarded_salt(self, tenant: Tenant, client_salt: str | None) -> str | None:

@@ -22,6 +22,7 @@ rollout's stragglers so) was a 404 too: a ``rid`` now goes to the replica runnin
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -34,6 +35,7 @@ from gateway.handler import (
     open_exchange,
     read_post,
     refuse_salted,
+    with_tenant_priority,
 )
 from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
@@ -62,6 +64,8 @@ async def _serve(
     tenant, raw = await read_post(state, scope, headers, receive, ex)
     refuse_salted(state, tenant, f"{PATH} (SGLang's native API)")
     body = load_json_object(raw)
+    if with_tenant_priority(tenant, body):
+        raw = json.dumps(body, separators=(",", ":")).encode()
     model = the_only_model(state)
     ex.model, ex.stream = model or "", body.get("stream") is True
     block_size = state.config.block_size

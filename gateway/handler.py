@@ -133,28 +133,42 @@ async def read_post(
     """A POST's tenant (named in ``ex``) and body within the limit: a 405 for another
     method, a 401 for a bad key, a 413 for a body too large."""
     post_only(scope)
-    tenant = state.auth.authenticate(headers.get("authorization"))
+    tenant = state.auth.authenticate_request(headers)
     ex.tenant = tenant.name
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     return tenant, raw
 
 
-def with_tenant_salt(
+def with_tenant_fields(
     state: GatewayState, tenant: Tenant, body: dict[str, Any], raw: bytes
 ) -> tuple[bytes, str | None]:
-    """``raw`` with the ``cache_salt`` the replica must see (``forwarded_salt``: keyed
-    mode replaces the client's with the tenant's), and that salt. The body is re-encoded
-    only when that changes it; otherwise its bytes pass as sent. A salt that is not a
-    string passes, for the replica's 400 (unless keyed mode replaces it)."""
+    """``raw`` with what keyed mode puts in a tenant's request to an engine, and the salt:
+    the ``cache_salt`` the replica must see (``forwarded_salt``: keyed mode replaces the
+    client's with the tenant's) and the tenant's own ``priority``, if it has one
+    (gateway/auth.py). The body is re-encoded only when that changes it; otherwise its
+    bytes pass as sent. A salt that is not a string passes, for the replica's 400 (unless
+    keyed mode replaces it)."""
     client_salt = body.get("cache_salt")
     salt = state.auth.forwarded_salt(tenant, client_salt if isinstance(client_salt, str) else None)
-    if salt == client_salt or (salt is None and not isinstance(client_salt, str)):
-        return raw, salt
-    if salt is None:
-        body.pop("cache_salt", None)
-    else:
-        body["cache_salt"] = salt
-    return json.dumps(body, separators=(",", ":")).encode(), salt
+    changed = with_tenant_priority(tenant, body)
+    if not (salt == client_salt or (salt is None and not isinstance(client_salt, str))):
+        changed = True
+        if salt is None:
+            body.pop("cache_salt", None)
+        else:
+            body["cache_salt"] = salt
+    return (json.dumps(body, separators=(",", ":")).encode() if changed else raw), salt
+
+
+def with_tenant_priority(tenant: Tenant, body: dict[str, Any]) -> bool:
+    """The tenant's own ``priority`` in place of the body's (a tenant without one: the
+    body's as sent); True when that changed the body."""
+    if tenant.priority is None or (
+        body.get("priority") == tenant.priority and type(body.get("priority")) is int
+    ):
+        return False
+    body["priority"] = tenant.priority
+    return True
 
 
 def refuse_salted(state: GatewayState, tenant: Tenant, what: str) -> None:
@@ -216,7 +230,7 @@ async def _serve(
     schema: type[BaseModel],
     path: str,
 ) -> None:
-    tenant = state.auth.authenticate(headers.get("authorization"))
+    tenant = state.auth.authenticate_request(headers)
     ex.tenant = tenant.name
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     body = load_json_object(raw)  # 400 for deep nesting and lone surrogates too
@@ -244,7 +258,7 @@ async def serve_body(
     route_model, tokenizer_model, key_model, block_size = served_model(state, parsed.model)
     ex.block_size = block_size
 
-    raw, salt = with_tenant_salt(state, tenant, body, raw)
+    raw, salt = with_tenant_fields(state, tenant, body, raw)
 
     prompt = await state.keys.keys(
         parsed,

@@ -60,7 +60,7 @@ async def _serve(
 ) -> None:
     post_only(scope)
     read_x_api_key(headers)
-    tenant = state.auth.authenticate(headers.get("authorization"))
+    tenant = state.auth.authenticate_request(headers)
     ex.tenant = tenant.name
     refuse_salted(state, tenant, f"{PATH} (the Messages API)")
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)

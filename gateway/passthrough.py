@@ -15,6 +15,7 @@ its own 404).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -28,7 +29,8 @@ from gateway.handler import (
     read_body,
     unknown_model,
     upstream_request_id,
-    with_tenant_salt,
+    with_tenant_fields,
+    with_tenant_priority,
 )
 from gateway.messages import read_x_api_key
 from gateway.proxy import Forward, forward_headers
@@ -71,6 +73,23 @@ GENERATING_PATHS: dict[str, str] = {
     "/v1/systemone": "structured_decision",
 }
 PASSTHROUGH_PATHS.update(GENERATING_PATHS)
+# The pooling endpoints the engine schedules by the body's ``priority`` (vLLM's pooling
+# requests), and SageMaker's /invocations for a pooling model (gateway/sagemaker.py): a
+# tenant with a priority of its own has it there (gateway/auth.py).
+SCHEDULED_PATHS = frozenset(
+    {
+        "/v1/embeddings",
+        "/v2/embed",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/invocations",
+    }
+)
 # GETs: no body, so the model is the one the replicas serve (lm-evaluation-harness reads
 # ``/tokenizer_info`` to tokenize through the server, as vLLM offers with
 # ``--enable-tokenizer-info-endpoint``).
@@ -100,7 +119,7 @@ async def _serve(
             f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": method}
         )
     read_x_api_key(headers)
-    tenant = state.auth.authenticate(headers.get("authorization"))
+    tenant = state.auth.authenticate_request(headers)
     ex.tenant = tenant.name
     body: dict[str, Any] = {}
     raw = b""
@@ -126,7 +145,9 @@ async def forward_body(
     replica serving its model, chosen by load (also SageMaker's ``/invocations`` for
     pooling models, gateway/sagemaker.py)."""
     if path in GENERATING_PATHS:
-        raw, _ = with_tenant_salt(state, tenant, body, raw)
+        raw, _ = with_tenant_fields(state, tenant, body, raw)
+    elif path in SCHEDULED_PATHS and with_tenant_priority(tenant, body):
+        raw = json.dumps(body, separators=(",", ":")).encode()
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")

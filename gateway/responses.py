@@ -47,7 +47,7 @@ from gateway.handler import (
     open_exchange,
     read_body,
     unknown_model,
-    with_tenant_salt,
+    with_tenant_fields,
 )
 from gateway.proxy import Forward, forward_headers
 from gateway.response_affinity import AffinityUnavailable, Owner
@@ -110,7 +110,7 @@ async def _request(
         raise OpenAIError(
             f"{method} {path}: Method Not Allowed", status=405, headers={"Allow": allowed}
         )
-    tenant = state.auth.authenticate(headers.get("authorization"))
+    tenant = state.auth.authenticate_request(headers)
     ex.tenant = tenant.name
     if path == PREFIX:
         raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
@@ -150,7 +150,7 @@ async def _create(
     body = load_json_object(raw)
     req = parse_request(ResponsesRequest, body)
     ex.model, ex.stream = req.model, req.stream
-    raw, salt = with_tenant_salt(state, tenant, body, raw)
+    raw, salt = with_tenant_fields(state, tenant, body, raw)
     # prompt_cache_key, vLLM's session_id, then the headers (``user`` left out: the chain
     # outranks it), scoped by tenant as chats are
     named = {k: body.get(k) for k in ("prompt_cache_key", "session_id")}

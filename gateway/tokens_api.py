@@ -35,7 +35,7 @@ from gateway.handler import (
     read_post,
     served_model,
     upstream_request_id,
-    with_tenant_salt,
+    with_tenant_fields,
 )
 from gateway.passthrough import the_only_model
 from gateway.proxy import Forward, forward_headers
@@ -76,7 +76,7 @@ async def _generate(
         raise OpenAIError("model: must be a string", param="model", code="invalid_value")
     model = model or the_only_model(state)
     ex.model, ex.stream = model or "", body.get("stream") is True
-    raw, salt = with_tenant_salt(state, tenant, body, raw)
+    raw, salt = with_tenant_fields(state, tenant, body, raw)
     keys: list[bytes] = []
     prompt_tokens = 0
     route_model = None
