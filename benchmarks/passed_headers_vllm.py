@@ -106,17 +106,19 @@ def gateway_from_tree(
     engine_url: str | list[str],
     log_path: str,
     env: dict[str, str] | None = None,
+    flags: list[str] | None = None,
 ) -> tuple[str, subprocess.Popen[bytes]]:
     """A gateway run from the source tree ``tree`` in front of ``engine_url`` (one or a
-    list), with ``env`` added to its environment, once ready: its URL and process
-    (stopped by the caller)."""
+    list), with ``env`` added to its environment and ``flags`` on its command line, once
+    ready: its URL and process (stopped by the caller)."""
     port = free_port()
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(tree).resolve())}
     replicas = [engine_url] if isinstance(engine_url, str) else engine_url
     log = open(log_path, "ab")  # noqa: SIM115 - the child's
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixgate", "gateway", "--port", str(port),
-         *[arg for url in replicas for arg in ("--replica", url)], "--model", MODEL],
+         *[arg for url in replicas for arg in ("--replica", url)], "--model", MODEL,
+         *(flags or [])],
         cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
