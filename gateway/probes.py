@@ -2,7 +2,8 @@
 
 Every ``probe_interval_s`` each replica's ``/health`` is fetched and the outcome fed to
 ``router.report_probe`` (the breaker's active half; request outcomes are the passive
-half). Static replicas (``--replica URL``) are asked once at start what they serve
+half), and a healthy vLLM's ``/is_paused`` to ``router.report_paused`` (``paused_once``).
+Static replicas (``--replica URL``) are asked once at start what they serve
 (``/v1/models``); one that does not answer is added with the ``--model`` fallback and
 asked again in the background until it does.
 
@@ -56,15 +57,61 @@ async def probe_once(
     return response.status_code == 200
 
 
+# How long an engine without ``/is_paused`` is not asked again (one restarted with
+# vLLM's development mode on may have it next time).
+PAUSE_ASK_AGAIN_S = 30.0
+
+
+async def paused_once(state: GatewayState, url: str, timeout: float) -> bool | None:
+    """Whether a vLLM is paused or asleep (``GET /is_paused``: its ``/pause`` and
+    ``/sleep``, both of vLLM's development mode); None when it cannot say (no answer, or
+    not asked). An engine without the endpoint cannot be paused this way (SGLang, the
+    built-in replica, a vLLM without development mode): False, and not asked again for
+    ``PAUSE_ASK_AGAIN_S``.
+
+    Such an engine answers ``/health`` and takes requests, and runs none until it
+    resumes: a request routed there waited the upstream timeout while others idled."""
+    now = time.monotonic()
+    if state.pause_unasked.get(url, 0.0) > now:
+        return None
+    try:
+        response = await state.client.get(url + "/is_paused", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if response.status_code in (404, 405):
+        state.pause_unasked[url] = now + PAUSE_ASK_AGAIN_S
+        return False
+    try:
+        paused = response.json().get("is_paused") if response.status_code == 200 else None
+    except (ValueError, AttributeError):
+        paused = None
+    return paused if isinstance(paused, bool) else None
+
+
 async def probe_all(state: GatewayState) -> None:
     views = list(state.router.replicas.values())
     timeout = state.config.probe_timeout_s
     results = await asyncio.gather(
         *(probe_once(state.client, v.url, timeout, state) for v in views)
     )
+    urls = list(dict.fromkeys(v.url for v, ok in zip(views, results, strict=True) if ok))
+    answers = await asyncio.gather(*(paused_once(state, url, timeout) for url in urls))
+    pauses = dict(zip(urls, answers, strict=True))
     for view, ok in zip(views, results, strict=True):
-        if ok is not None and view.replica_id in state.router.replicas:  # not removed meanwhile
+        if view.replica_id not in state.router.replicas:  # removed meanwhile
+            continue
+        if ok is not None:
             state.router.report_probe(view.replica_id, ok)
+        paused = pauses.get(view.url)
+        if paused is not None and state.router.report_paused(view.replica_id, paused):
+            if paused:
+                log.warning(
+                    "replica %s is paused or asleep (its engine's /pause or /sleep): no "
+                    "requests go to it until it resumes",
+                    view.replica_id,
+                )
+            else:
+                log.info("replica %s resumed: routed again", view.replica_id)
 
 
 async def probe_loop(state: GatewayState) -> None:

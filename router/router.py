@@ -90,6 +90,9 @@ class ReplicaView:
     # The engine's data-parallel rank this replica is (``ReplicaInfo.data_parallel_rank``):
     # several replicas share ``url`` then, and each request names its rank.
     data_parallel_rank: int | None = None
+    # A vLLM paused or asleep (its /pause or /sleep): it answers /health and takes
+    # requests, but runs none until it resumes, so it gets none (gateway/probes.py).
+    paused: bool = False
 
     @property
     def expired(self) -> bool:
@@ -97,7 +100,7 @@ class ReplicaView:
 
     @property
     def healthy(self) -> bool:
-        return not self.expired and self.breaker.allows()
+        return not self.expired and not self.paused and self.breaker.allows()
 
     @property
     def in_flight(self) -> int:
@@ -273,6 +276,7 @@ class Router:
             for v in self._replicas.values()
             if (v.static or now - v.last_seen <= v.ttl_s)  # not expired, inlined (hot path)
             and (v.breaker.state == "closed" or v.breaker.allows())
+            and not v.paused
             and (model is None or v.serves(model))
             and v.replica_id not in exclude
         ]
@@ -468,6 +472,15 @@ class Router:
         if view is not None:
             view.breaker.record(ok)
 
+    def report_paused(self, replica_id: str, paused: bool) -> bool:
+        """Whether the replica is paused (its engine runs no request until it resumes);
+        True when that changed."""
+        view = self._replicas.get(replica_id)
+        if view is None or view.paused == paused:
+            return False
+        view.paused = paused
+        return True
+
     def record_outcome(self, replica_id: str, ok: bool) -> None:
         """A verdict on a finished request that was open when it finished (a 5xx that
         another replica's answer shows to be the replica's fault)."""
@@ -628,6 +641,7 @@ class Router:
                 rid: {
                     "healthy": v.healthy,
                     "breaker": v.breaker_state,
+                    "paused": v.paused,
                     "in_flight": v.in_flight,
                     "load": v.load.load,
                     "queued_tokens": self._queued_now(v),

@@ -159,6 +159,19 @@ def test_model_filter_exclude_and_no_healthy_replica() -> None:
         router.route(keys(1), model="missing")
 
 
+def test_a_paused_replica_is_out_of_routing_until_it_resumes() -> None:
+    router, _ = make(2)
+    assert router.report_paused("r0", True) and not router.report_paused("r0", True)
+    assert not router.replicas["r0"].healthy and router.stats()["replicas"]["r0"]["paused"]
+    assert all(router.route(keys(i)).replica_id == "r1" for i in range(5))
+    router.report_paused("r1", True)
+    with pytest.raises(NoHealthyReplica):
+        router.route(keys(1))
+    assert router.report_paused("r0", False) and router.replicas["r0"].healthy
+    assert router.route(keys(1)).replica_id == "r0"
+    assert not router.report_paused("gone", True)  # a replica removed meanwhile
+
+
 def test_passive_failures_open_the_breaker_and_a_probe_closes_it() -> None:
     router, clock = make(2, breaker_failures=2, breaker_cooldown_s=3.0)
     for _ in range(2):

@@ -51,6 +51,7 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 # vLLM's other generating endpoints, and SageMaker's /invocations for a pooling model:
 # remembered and answered with their path.
 ECHOED = ("/v1/chat/completions/batch", "/generative_scoring", "/v1/systemone", "/invocations")
+PAUSE_PATHS = {("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused")}
 RESETS = {
     ("/reset_prefix_cache", "vllm"): (200, b'{"success":true}'),
     ("/reset_prefix_cache", "vllm-busy"): (200, b'{"success":false}'),
@@ -78,6 +79,7 @@ class StubConfig:
     api_key: str | None = None
     retry_after: str | None = None  # a Retry-After header on failures
     reset: str = "none"  # which engine's prefix-cache reset it serves (RESETS)
+    pausable: bool = False  # serves vLLM's /pause, /resume and /is_paused (its dev mode)
 
 
 @dataclass(slots=True)
@@ -85,7 +87,12 @@ class StubBackend:
     config: StubConfig
     requests: deque[dict[str, Any]] = field(default_factory=deque)
     held: dict[str, asyncio.Event] = field(default_factory=dict)  # /generate rids "hold-…"
+    # Cleared while paused: completions wait for it, as a paused vLLM's do.
+    running: asyncio.Event = field(default_factory=asyncio.Event)
     _responded: int = 0
+
+    def __post_init__(self) -> None:
+        self.running.set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -119,6 +126,13 @@ class StubBackend:
             await _send(
                 send, status, body, b"application/json" if body[:1] == b"{" else b"text/plain"
             )
+        elif self.config.pausable and (method, path) in PAUSE_PATHS:
+            if path == "/pause":
+                self.running.clear()
+            elif path == "/resume":
+                self.running.set()
+            paused = not self.running.is_set()
+            await _send(send, 200, json.dumps({"is_paused": paused}).encode())
         elif method == "GET" and path == "/stub/requests":
             await _send(send, 200, json.dumps(list(self.requests)).encode())
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
@@ -160,6 +174,7 @@ class StubBackend:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self._remember({"path": scope["path"], "body": body, "headers": headers})
         c = self.config
+        await self.running.wait()
         if c.delay_s:
             await asyncio.sleep(c.delay_s)  # simulated backend work
         # --fail-on: only poisoned bodies fail; otherwise --fail-status fails them all.
@@ -437,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key")
     parser.add_argument("--retry-after")
     parser.add_argument("--reset", choices=("none", "vllm", "vllm-busy", "sglang"), default="none")
+    parser.add_argument("--pausable", action="store_true")
     args = parser.parse_args(argv)
     config = StubConfig(
         model=args.model,
@@ -452,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key,
         retry_after=args.retry_after,
         reset=args.reset,
+        pausable=args.pausable,
     )
     import uvicorn
 
