@@ -14,7 +14,7 @@ The file is JSON or YAML, a mapping from key to tenant settings::
     sk-team-b: {tenant: team-b, cache_salt: b-2024}
     sk-docs:   {tenant: docs, shared_namespace: true}
     sk-ops:    {tenant: ops, admin: true}
-    sk-batch:  {tenant: batch, priority: 10}
+    sk-batch:  {tenant: batch, priority: 10, max_parallel_requests: 8}
 
 ``admin: true`` lets a key call the gateway's operations that affect every tenant or show
 every tenant's traffic (``POST /reset_prefix_cache``, ``GET /router/stats``); in open
@@ -27,6 +27,12 @@ sent, and any tenant may put its requests ahead of every other's. It goes into t
 ``X-Vllm-Priority`` header on everything forwarded (vLLM reads that before the body's)
 and into the body's ``priority`` on the endpoints that schedule by it
 (``with_tenant_fields``, gateway/handler.py).
+
+``max_parallel_requests: N`` (LiteLLM's name) caps the tenant's requests in flight at once
+at this gateway, a 429 past it (gateway/handler.py ``forward_watched``), so that one
+tenant's flood cannot fill every replica's queue ahead of the others. It is each
+gateway's own count: behind G gateways a tenant may have G × N. Every key of a tenant
+gives the same cap.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Tenant:
     shared_namespace: bool = False
     admin: bool = False  # may call operations that affect every tenant
     priority: int | None = None  # forced on the tenant's requests; None: the client's
+    max_parallel_requests: int | None = None  # in flight at once at a gateway; None: no cap
 
     @property
     def salt(self) -> str:
@@ -85,7 +92,20 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
             not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= 2**63
         ):
             raise ValueError(f"API key {key[:6]}…: priority is an integer (a 64-bit one)")
-        tenants[key] = Tenant(name, salt, shared, admin, priority)
+        cap = spec.get("max_parallel_requests")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"API key {key[:6]}…: max_parallel_requests is a positive integer")
+        tenants[key] = Tenant(name, salt, shared, admin, priority, cap)
+    caps: dict[str, int | None] = {}
+    for tenant in tenants.values():
+        if (
+            caps.setdefault(tenant.name, tenant.max_parallel_requests)
+            != tenant.max_parallel_requests
+        ):
+            raise ValueError(
+                f"tenant {tenant.name}: its keys give different max_parallel_requests (one cap "
+                "per tenant)"
+            )
     return tenants
 
 
@@ -101,13 +121,19 @@ OPEN_TENANT = Tenant("default", "", shared_namespace=True)
 class Authenticator:
     """Checks bearer keys; built without keys it is open (one shared namespace)."""
 
-    __slots__ = ("_by_digest",)
+    __slots__ = ("_by_digest", "caps")
 
     def __init__(self, keys: Mapping[str, Tenant] | None = None) -> None:
         # Looked up by the key's digest, so lookup time says nothing about near misses.
         self._by_digest: dict[bytes, Tenant] | None = (
             None if keys is None else {_digest(k): t for k, t in keys.items()}
         )
+        # tenant name -> its max_parallel_requests, for the tenants that have one
+        self.caps: dict[str, int] = {
+            t.name: t.max_parallel_requests
+            for t in (keys or {}).values()
+            if t.max_parallel_requests is not None
+        }
 
     @property
     def open(self) -> bool:

@@ -290,8 +290,22 @@ async def serve_body(
 async def forward_watched(
     state: GatewayState, ex: Exchange, request: Forward, receive: Receive, send: Send
 ) -> None:
-    """``forward`` the request, abandoned (a 499 in the log) if the client disconnects."""
+    """``forward`` the request, abandoned (a 499 in the log) if the client disconnects;
+    a 429 when its tenant has its ``max_parallel_requests`` in flight here already."""
+    cap = state.auth.caps.get(ex.tenant)
+    held = state.tenant_in_flight
+    if cap is not None and held.get(ex.tenant, 0) >= cap:
+        raise OpenAIError(
+            f"Your key's tenant has {cap} requests in flight, its max_parallel_requests: "
+            "retry when one has finished.",
+            status=429,
+            type="rate_limit_error",
+            code="max_parallel_requests",
+            headers={"Retry-After": "1"},
+        )
     watch = DisconnectWatch(receive)
+    if cap is not None:
+        held[ex.tenant] = held.get(ex.tenant, 0) + 1
     try:
         await forward(state, ex, request, send)
     except asyncio.CancelledError:
@@ -303,6 +317,11 @@ async def forward_watched(
         ex.status = 499
     finally:
         watch.stop()
+        if cap is not None:
+            if held[ex.tenant] == 1:
+                del held[ex.tenant]
+            else:
+                held[ex.tenant] -= 1
 
 
 class ClientGone(Exception):

@@ -42,6 +42,8 @@ class GatewayState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
     tls_warned: set[str] = field(default_factory=set)  # replicas whose TLS fails (probes.py)
+    # tenant name -> its requests being forwarded (forward_watched: max_parallel_requests)
+    tenant_in_flight: dict[str, int] = field(default_factory=dict)
     # replica URL -> when to ask its /is_paused again: it had none (probes.py)
     pause_unasked: dict[str, float] = field(default_factory=dict)
     upstream_tls: TLSFiles | None = None  # the --upstream-* files, reloaded when they change
