@@ -81,7 +81,8 @@ async def answer_ok(request: Request, _: asyncio.StreamReader, w: asyncio.Stream
 
 @dataclass(slots=True)
 class Replica:
-    """A scripted replica: GET /health and /v1/models answered, POSTs to ``on_post``."""
+    """A scripted replica: GET /health and /v1/models answered, /is_paused not served,
+    other requests to ``on_post``."""
 
     on_post: PostHandler = answer_ok
     model: str = "m"
@@ -127,6 +128,9 @@ class Replica:
                 elif request.method == "GET" and request.path == "/v1/models":
                     cards = [{"id": self.model}, *self.more_models]
                     w.write(answer(200, json.dumps({"data": cards}).encode()))
+                elif request.method == "GET" and request.path == "/is_paused":
+                    # as an engine without vLLM's development mode (gateway/probes.py)
+                    w.write(answer(404, b'{"detail":"Not Found"}'))
                 else:
                     self.posts.append(request)
                     await self.on_post(request, reader, w)
