@@ -95,6 +95,8 @@ async def probe_all(state: GatewayState) -> None:
         *(probe_once(state.client, v.url, timeout, state) for v in views)
     )
     urls = list(dict.fromkeys(v.url for v, ok in zip(views, results, strict=True) if ok))
+    for gone in state.pause_unasked.keys() - {v.url for v in views}:
+        del state.pause_unasked[gone]  # a replica no longer listed
     answers = await asyncio.gather(*(paused_once(state, url, timeout) for url in urls))
     pauses = dict(zip(urls, answers, strict=True))
     for view, ok in zip(views, results, strict=True):
