@@ -51,6 +51,7 @@ from gateway.routing import KeyBuilder
 from gateway.sagemaker import INVOCATIONS_PATH, PING_PATH, serve_invocations, serve_ping
 from gateway.sagemaker_sessions import Sessions
 from gateway.state import GatewayState
+from gateway.tenant_caps import TenantCaps
 from gateway.tokens_api import TOKENS_API_PATHS, serve_tokens_api
 from gateway.upstream import Upstream
 from prefixgate.tls import TLSFiles
@@ -135,6 +136,7 @@ def create_app(
         affinity=ResponseAffinity(config.redis_url),
         upstream_tls=TLSFiles(tls, *files, "upstream") if any(files) else None,
         sessions=Sessions(config.sagemaker_session_s) if config.sagemaker_session_s else None,
+        tenant_caps=TenantCaps(auth.caps, config.redis_url),
     )
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
@@ -175,6 +177,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = state.sync.start()
         if inspect.isawaitable(started):
             await started
+        if state.tenant_caps.caps:  # counted with the other gateways (gateway/tenant_caps.py)
+            state.tenant_caps.gateway_id = state.sync.gateway_id
+            state.tasks.append(asyncio.create_task(state.tenant_caps.run()))
     # Aliases and adapters are tokenized as the model they are served by.
     for model in {*config.models, *(v.model for v in state.router.replicas.values() if v.model)}:
         await state.keys.preload(model)
@@ -200,6 +205,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.sync is not None:
             await state.sync.aclose()
         await state.affinity.aclose()
+        await state.tenant_caps.aclose()
         await state.client.aclose()
         await state.upstream.aclose()
 
@@ -277,6 +283,8 @@ def _add_routes(app: FastAPI) -> None:
                 "reconnects": sync.reconnects,
                 "malformed": sync.malformed,
             }
+        if state.tenant_caps.caps:  # keyed mode's max_parallel_requests
+            stats["tenant_caps"] = state.tenant_caps.stats()
         return JSONResponse(stats)
 
     @app.exception_handler(Exception)

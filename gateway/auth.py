@@ -28,11 +28,11 @@ sent, and any tenant may put its requests ahead of every other's. It goes into t
 and into the body's ``priority`` on the endpoints that schedule by it
 (``with_tenant_fields``, gateway/handler.py).
 
-``max_parallel_requests: N`` (LiteLLM's name) caps the tenant's requests in flight at once
-at this gateway, a 429 past it (gateway/handler.py ``forward_watched``), so that one
-tenant's flood cannot fill every replica's queue ahead of the others. It is each
-gateway's own count: behind G gateways a tenant may have G × N. Every key of a tenant
-gives the same cap.
+``max_parallel_requests: N`` (LiteLLM's name) caps the tenant's requests in flight at once,
+a 429 past it (gateway/handler.py ``forward_watched``), so that one tenant's flood cannot
+fill every replica's queue ahead of the others; counted over the gateways that share a
+Redis (gateway/tenant_caps.py), else at each gateway. Every key of a tenant gives the
+same cap.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Tenant:
     shared_namespace: bool = False
     admin: bool = False  # may call operations that affect every tenant
     priority: int | None = None  # forced on the tenant's requests; None: the client's
-    max_parallel_requests: int | None = None  # in flight at once at a gateway; None: no cap
+    max_parallel_requests: int | None = None  # in flight at once; None: no cap
 
     @property
     def salt(self) -> str:

@@ -291,10 +291,9 @@ async def forward_watched(
     state: GatewayState, ex: Exchange, request: Forward, receive: Receive, send: Send
 ) -> None:
     """``forward`` the request, abandoned (a 499 in the log) if the client disconnects;
-    a 429 when its tenant has its ``max_parallel_requests`` in flight here already."""
-    cap = state.auth.caps.get(ex.tenant)
-    held = state.tenant_in_flight
-    if cap is not None and held.get(ex.tenant, 0) >= cap:
+    a 429 when its tenant has its ``max_parallel_requests`` in flight already (at the
+    gateways sharing a Redis: gateway/tenant_caps.py)."""
+    if (cap := state.tenant_caps.acquire(ex.tenant)) is not None:
         raise OpenAIError(
             f"Your key's tenant has {cap} requests in flight, its max_parallel_requests: "
             "retry when one has finished.",
@@ -303,25 +302,21 @@ async def forward_watched(
             code="max_parallel_requests",
             headers={"Retry-After": "1"},
         )
-    watch = DisconnectWatch(receive)
-    if cap is not None:
-        held[ex.tenant] = held.get(ex.tenant, 0) + 1
     try:
-        await forward(state, ex, request, send)
-    except asyncio.CancelledError:
-        if not watch.gone:
-            raise  # not ours: the server is shutting down
-        task = asyncio.current_task()
-        assert task is not None
-        task.uncancel()
-        ex.status = 499
+        watch = DisconnectWatch(receive)
+        try:
+            await forward(state, ex, request, send)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise  # not ours: the server is shutting down
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
+            ex.status = 499
+        finally:
+            watch.stop()
     finally:
-        watch.stop()
-        if cap is not None:
-            if held[ex.tenant] == 1:
-                del held[ex.tenant]
-            else:
-                held[ex.tenant] -= 1
+        state.tenant_caps.release(ex.tenant)
 
 
 class ClientGone(Exception):

@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
 from gateway.sagemaker_sessions import Sessions
+from gateway.tenant_caps import TenantCaps
 from gateway.upstream import Upstream
 from prefixgate.tls import TLSFiles
 from router.router import ReplicaView, Router
@@ -42,8 +43,9 @@ class GatewayState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     refused_urls: set[str] = field(default_factory=set)  # replicas that refuse our /v1/models
     tls_warned: set[str] = field(default_factory=set)  # replicas whose TLS fails (probes.py)
-    # tenant name -> its requests being forwarded (forward_watched: max_parallel_requests)
-    tenant_in_flight: dict[str, int] = field(default_factory=dict)
+    # Tenants' requests in flight against their max_parallel_requests (handler.py
+    # forward_watched), shared with the other gateways through Redis (tenant_caps.py)
+    tenant_caps: TenantCaps = field(default_factory=lambda: TenantCaps({}))
     # replica URL -> when to ask its /is_paused again: it had none (probes.py)
     pause_unasked: dict[str, float] = field(default_factory=dict)
     upstream_tls: TLSFiles | None = None  # the --upstream-* files, reloaded when they change
