@@ -152,6 +152,16 @@ def test_gateways_sharing_a_redis_share_the_cap(tmp_path: Path, redis_server: Re
     first = start_gateway(tmp_path, "first", [stub.url], *flags)
     second = start_gateway(tmp_path, "second", [stub.url], *flags)
     try:
+
+        async def at_once() -> list[int]:  # three at each gateway, in the same moment
+            both = await asyncio.gather(
+                _chats(first, ["sk-flood"] * 3), _chats(second, ["sk-flood-2"] * 3)
+            )
+            return sorted(r.status_code for answers in both for r in answers)
+
+        # Decided in Redis, not on a count read moments ago: two in all, not two each.
+        assert asyncio.run(at_once()) == [200, 200, 429, 429, 429, 429]
+        _wait_seen(first, "here", 0, within_s=3)
         held = _hold(first, "sk-flood", 2)
         _wait_seen(second, "others", 2, within_s=2.5)  # before the held two finish
         (refused,) = asyncio.run(_chats(second, ["sk-flood-2"]))
