@@ -47,11 +47,23 @@ async def flood(url: str, tokens: int, until: float, answered: list[int]) -> Non
                 answered.append(1)
 
 
-async def watch(engine: str, until: float, seen: list[float]) -> None:
+async def watch(
+    engine: str, gateways: list[str], until: float, seen: list[float], admitted: list[int]
+) -> None:
+    """Every 0.1 s: the engine's running and waiting requests (its gauges lag a step),
+    and the gateways' own counts of the tenant's requests (their /router/stats; a tree
+    without them counts none)."""
+    admin = {"authorization": "Bearer sk-ops"}
     async with httpx.AsyncClient(timeout=10) as client:
         while time.monotonic() < until:
             metrics = (await client.get(engine + "/metrics")).content
             seen.append(sum(float(v) for v in IN_ENGINE.findall(metrics)))
+            stats = await asyncio.gather(
+                *(client.get(url + "/router/stats", headers=admin) for url in gateways)
+            )
+            admitted.append(
+                sum(s.json().get("tenant_caps", {}).get("flood", {}).get("here", 0) for s in stats)
+            )
             await asyncio.sleep(0.1)  # the sampling period
 
 
@@ -59,15 +71,18 @@ async def run(gateways: list[str], engine: str, args: argparse.Namespace) -> str
     until = time.monotonic() + args.seconds
     answered: list[int] = []
     seen: list[float] = []
+    admitted: list[int] = []
     clients = [
         flood(gateways[i % len(gateways)], args.tokens, until, answered)
         for i in range(args.flooders)
     ]
-    await asyncio.gather(watch(engine, until, seen), *clients)
+    await asyncio.gather(watch(engine, gateways, until, seen, admitted), *clients)
     settled = seen[len(seen) // 5 :]  # after the first fifth: the caps have synced
+    counted = admitted[len(admitted) // 5 :]
     return (
         f"the tenant's requests in the engine: max {max(settled):.0f}, "
-        f"mean {statistics.mean(settled):.2f} (cap {args.cap}); {len(answered)} answered"
+        f"mean {statistics.mean(settled):.2f} (cap {args.cap}); as the gateways count them: "
+        f"max {max(counted)}; {len(answered)} answered"
     )
 
 
@@ -82,9 +97,8 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp())
     keys = work / "keys.json"
-    keys.write_text(
-        json.dumps({"sk-flood": {"tenant": "flood", "max_parallel_requests": args.cap}})
-    )
+    flood_key = {"tenant": "flood", "max_parallel_requests": args.cap}
+    keys.write_text(json.dumps({"sk-flood": flood_key, "sk-ops": {"tenant": "ops", "admin": True}}))
     port = free_port()
     redis = start_redis(port, work)
     try:
