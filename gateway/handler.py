@@ -293,7 +293,8 @@ async def forward_watched(
     """``forward`` the request, abandoned (a 499 in the log) if the client disconnects;
     a 429 when its tenant has its ``max_parallel_requests`` in flight already (at the
     gateways sharing a Redis: gateway/tenant_caps.py)."""
-    if (cap := await state.tenant_caps.acquire(ex.tenant)) is not None:
+    caps = state.tenant_caps
+    if ex.tenant in caps.caps and (cap := await caps.acquire(ex.tenant)) is not None:
         raise OpenAIError(
             f"Your key's tenant has {cap} requests in flight, its max_parallel_requests: "
             "retry when one has finished.",
@@ -316,7 +317,7 @@ async def forward_watched(
         finally:
             watch.stop()
     finally:
-        state.tenant_caps.release(ex.tenant)
+        caps.release(ex.tenant)
 
 
 class ClientGone(Exception):
