@@ -25,7 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.adapters import ADAPTER_PATHS, serve_adapters
+from gateway.adapters import (
+    ADAPTER_PATHS,
+    is_sagemaker_adapters_path,
+    serve_adapters,
+    serve_sagemaker_adapters,
+)
 from gateway.audio import AUDIO_PATHS, serve_audio
 from gateway.auth import Authenticator, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
@@ -90,6 +95,8 @@ class GatewayApp:
             await serve_audio(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in ADAPTER_PATHS:
             await serve_adapters(self.state, scope, receive, send)
+        elif scope["type"] == "http" and is_sagemaker_adapters_path(scope["path"]):
+            await serve_sagemaker_adapters(self.state, scope, receive, send)
         elif scope["type"] == "http" and is_responses_path(scope["path"]):
             await serve_responses(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == GENERATE_PATH:

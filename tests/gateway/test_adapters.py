@@ -102,3 +102,38 @@ def test_a_keyed_engine_gets_the_clients_key(tmp_path_factory: pytest.TempPathFa
     finally:
         gateway.stop()
         engine.stop()
+
+
+def test_sagemakers_adapter_routes_load_and_unload_on_every_replica(cluster: StubCluster) -> None:
+    """SageMaker's ``POST /adapters`` and ``DELETE /adapters/NAME`` (vLLM's image serves
+    them with run-time loading on), then the adapter named in SageMaker's header."""
+    url = cluster.gateway.url
+    r = httpx.post(url + "/adapters", json={"name": "sm-1", "src": "/opt/ml/adapters/sm-1"})
+    assert (r.status_code, r.text) == (200, "Adapter sm-1 registered")
+    sent = [s["body"] for s in cluster.received("/v1/load_lora_adapter")]
+    wanted = {"lora_name": "sm-1", "lora_path": "/opt/ml/adapters/sm-1"}
+    assert sent.count(wanted) == 2  # one per replica
+    header = {"X-Amzn-SageMaker-Adapter-Identifier": "sm-1"}
+    r = httpx.post(url + "/invocations", json={"prompt": "hi"}, headers=header, timeout=30)
+    assert r.status_code == 200 and r.json()["model"] == "sm-1"
+    r = httpx.delete(url + "/adapters/sm-1")
+    assert (r.status_code, r.text) == (200, "Adapter sm-1 unregistered")
+    r = httpx.post(url + "/invocations", json={"prompt": "hi"}, headers=header, timeout=30)
+    assert r.status_code == 404
+    for bad in ({"name": "x"}, {"src": "/a"}, {"name": "", "src": "/a"}):
+        assert httpx.post(url + "/adapters", json=bad).status_code == 400
+    assert httpx.get(url + "/adapters/sm-1").status_code == 405
+    assert httpx.delete(url + "/adapters/").status_code == 404
+    r = httpx.delete(url + "/adapters/never-loaded")  # every replica's own 400
+    assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_failed"
+
+
+def test_sagemakers_adapter_routes_want_an_admin_key(keyed: Server) -> None:
+    r = httpx.post(
+        keyed.url + "/adapters",
+        json={"name": "sm-2", "src": "/a"},
+        headers={"authorization": "Bearer sk-alpha"},
+    )
+    assert r.status_code == 403
+    r = httpx.delete(keyed.url + "/adapters/sm-2", headers={"authorization": "Bearer sk-alpha"})
+    assert r.status_code == 403
