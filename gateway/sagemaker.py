@@ -55,19 +55,19 @@ ADAPTER_HEADER = "x-amzn-sagemaker-adapter-identifier"
 
 
 async def serve_ping(state: GatewayState, scope: Scope, send: Send) -> None:
-    """200 (empty, as vLLM's) once a replica is healthy; 503 before."""
-    _, ex = open_exchange(scope, "ping")
-    if scope["method"] not in ("GET", "POST"):
-        error = OpenAIError(
-            f"{scope['method']} {PING_PATH}: Method Not Allowed",
-            status=405,
-            headers={"Allow": "GET, POST"},
-        )
-        await answer(state, ex, send, _raise(error))
-        return
-    ready = any(v.healthy for v in state.router.replicas.values())
-    await send_bytes(send, 200 if ready else 503, b"", [], ex)
-    ex.finish(state.metrics)
+    """200 (empty, as vLLM's) once a replica is healthy; 503 before. Not logged, as
+    ``/health`` is not: SageMaker asks every few seconds."""
+    if scope["method"] in ("GET", "POST"):
+        ready = any(v.healthy for v in state.router.replicas.values())
+        status, body, extra = (200 if ready else 503), b"", []
+    else:
+        status, extra = 405, [(b"allow", b"GET, POST")]
+        message = f"{scope['method']} {PING_PATH}: Method Not Allowed"
+        body = json.dumps(OpenAIError(message, status=405).body()).encode()
+        extra.append((b"content-type", b"application/json"))
+    headers = [*extra, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def serve_invocations(
@@ -162,7 +162,3 @@ async def _session_request(
         text = f"Session {session} closed"
     content_type = (b"content-type", b"text/plain; charset=utf-8")
     await send_bytes(send, 200, text.encode(), [content_type, header], ex)
-
-
-async def _raise(error: OpenAIError) -> None:
-    raise error
