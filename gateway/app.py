@@ -143,7 +143,7 @@ def create_app(
         affinity=ResponseAffinity(config.redis_url),
         upstream_tls=TLSFiles(tls, *files, "upstream") if any(files) else None,
         sessions=Sessions(config.sagemaker_session_s) if config.sagemaker_session_s else None,
-        tenant_caps=TenantCaps(auth.caps, config.redis_url),
+        tenant_caps=TenantCaps(config.redis_url, caps=auth.caps),
     )
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state

@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from router.backoff import Backoff
-from router.replica_redis import Outage
+from router.replica_redis import BackedOffRedis, Outage
 
 log = logging.getLogger("prefixgate.gateway")
 
 AFFINITY_TTL_S = 3600.0  # the built-in replica's store keeps a response this long unused
 REDIS_PREFIX = "prefixgate:response:"
-MIN_BACKOFF_S = 1.0
-MAX_BACKOFF_S = 30.0
 
 
 class AffinityUnavailable(Exception):
@@ -51,18 +46,12 @@ class Owner(NamedTuple):
 
 
 @dataclass(slots=True)
-class ResponseAffinity:
+class ResponseAffinity(BackedOffRedis):
     """Response id -> the replica that stored it: Redis (shared, TTL) and a local LRU."""
 
-    redis_url: str | None
     ttl_s: float = AFFINITY_TTL_S
     max_local: int = 100_000
     local: OrderedDict[str, tuple[Owner, float]] = field(default_factory=OrderedDict)
-    client: Any = None  # redis.asyncio.Redis, made on first use
-    clock: Callable[[], float] = time.monotonic
-    down_until: float = 0.0  # Redis is left alone until then (after a failure)
-    backoff: Backoff = field(default_factory=lambda: Backoff(MIN_BACKOFF_S, MAX_BACKOFF_S))
-    outage: Outage = field(init=False)
 
     def __post_init__(self) -> None:
         self.outage = Outage(
@@ -72,24 +61,6 @@ class ResponseAffinity:
             " answer is a 503 until it answers",
             up_note="; response affinity is shared again",
         )
-
-    def _redis(self) -> Any:
-        """The client; None without Redis, or while it is left alone after a failure."""
-        if self.redis_url is None or self.clock() < self.down_until:
-            return None
-        if self.client is None:
-            import redis.asyncio as aioredis
-
-            self.client = aioredis.from_url(self.redis_url, socket_timeout=2.0)
-        return self.client
-
-    def _failed(self, exc: Exception) -> None:
-        self.outage.mark_down(exc)
-        self.down_until = self.clock() + self.backoff.next_delay()
-
-    def _answered(self) -> None:
-        self.outage.mark_up()
-        self.backoff.reset()
 
     async def record(self, response_id: str, owner: Owner) -> None:
         self.local[response_id] = (owner, self.clock() + self.ttl_s)
@@ -131,9 +102,7 @@ class ResponseAffinity:
         return owner
 
     async def aclose(self) -> None:
-        if self.client is not None:
-            await self.client.aclose()
-            self.client = None
+        await self._close_client()
 
     async def forget(self, response_id: str) -> None:
         self.local.pop(response_id, None)

@@ -45,7 +45,7 @@ class GatewayState:
     tls_warned: set[str] = field(default_factory=set)  # replicas whose TLS fails (probes.py)
     # Tenants' requests in flight against their max_parallel_requests (handler.py
     # forward_watched), shared with the other gateways through Redis (tenant_caps.py)
-    tenant_caps: TenantCaps = field(default_factory=lambda: TenantCaps({}))
+    tenant_caps: TenantCaps = field(default_factory=TenantCaps)
     # replica URL -> when to ask its /is_paused again: it had none (probes.py)
     pause_unasked: dict[str, float] = field(default_factory=dict)
     upstream_tls: TLSFiles | None = None  # the --upstream-* files, reloaded when they change

@@ -30,8 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.backoff import Backoff
-from router.replica_redis import Outage
+from router.replica_redis import BackedOffRedis, Outage
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -64,19 +63,13 @@ return 1
 
 
 @dataclass(slots=True)
-class TenantCaps:
-    caps: dict[str, int]  # tenant -> its max_parallel_requests
-    redis_url: str | None = None
+class TenantCaps(BackedOffRedis):
+    caps: dict[str, int] = field(default_factory=dict)  # tenant -> max_parallel_requests
     gateway_id: str = ""
     local: dict[str, int] = field(default_factory=dict)  # this gateway's, in flight now
     others: dict[str, int] = field(default_factory=dict)  # the other gateways', last read
-    client: Any = None  # redis.asyncio.Redis, made on first use
     script: Any = None  # ACQUIRE, registered with the client
-    clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
-    down_until: float = 0.0
-    backoff: Backoff = field(default_factory=lambda: Backoff(1.0, 30.0))
-    outage: Outage = field(init=False)
     releases: set[asyncio.Task[None]] = field(default_factory=set)  # decrements in flight
 
     def __post_init__(self) -> None:
@@ -198,24 +191,8 @@ class TenantCaps:
             return
         self._answered()
 
-    def _redis(self) -> Any:
-        """The client; None without Redis, or while it is left alone after a failure."""
-        if self.redis_url is None or self.clock() < self.down_until:
-            return None
-        if self.client is None:
-            import redis.asyncio as aioredis
-
-            self.client = aioredis.from_url(self.redis_url, socket_timeout=2.0)
-            self.script = self.client.register_script(ACQUIRE)
-        return self.client
-
-    def _failed(self, exc: Exception) -> None:
-        self.outage.mark_down(exc)
-        self.down_until = self.clock() + self.backoff.next_delay()
-
-    def _answered(self) -> None:
-        self.outage.mark_up()
-        self.backoff.reset()
+    def _made(self, client: Any) -> None:
+        self.script = client.register_script(ACQUIRE)
 
     async def aclose(self) -> None:
         """Take this gateway's counts out of Redis (the others need not wait ``STALE_S``)
@@ -230,8 +207,7 @@ class TenantCaps:
             await pipe.execute()
         except Exception:  # they go stale instead
             pass
-        await self.client.aclose()
-        self.client = None
+        await self._close_client()
 
 
 def _counts(fields: dict[bytes, bytes]) -> tuple[dict[str, int], dict[str, float]]:

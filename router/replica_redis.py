@@ -24,14 +24,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from router.backoff import Backoff
 from router.protocol import (
     REPLICAS_SET,
     RETAIN_S,
@@ -179,3 +181,49 @@ class Outage:
         self.down = False
         self.log.info("redis at %s is back%s", redacted_url(self.redis_url), self.up_note)
         return True
+
+
+MIN_BACKOFF_S = 1.0  # BackedOffRedis: the first wait after a failure
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(slots=True)
+class BackedOffRedis:
+    """An asyncio Redis client made on first use (``_redis``) and left alone after a
+    failure (``_failed``): for a backoff (``Backoff``, from 1 s doubling to 30 s with
+    jitter; reset by a success, ``_answered``), its outage logged once (``outage``, which
+    a subclass makes with its own notes). A hung Redis (a failover, a partition) would
+    otherwise make every caller wait out the 2 s socket timeout and log a warning each.
+    The gateway's response affinity and tenant caps are built on it."""
+
+    redis_url: str | None = None
+    client: Any = None  # redis.asyncio.Redis, made on first use
+    clock: Callable[[], float] = time.monotonic
+    down_until: float = 0.0  # Redis is left alone until then (after a failure)
+    backoff: Backoff = field(default_factory=lambda: Backoff(MIN_BACKOFF_S, MAX_BACKOFF_S))
+    outage: Outage = field(init=False)
+
+    def _redis(self) -> Any:
+        """The client; None without Redis, or while it is left alone after a failure."""
+        if self.redis_url is None or self.clock() < self.down_until:
+            return None
+        if self.client is None:
+            self.client = aioredis.from_url(self.redis_url, socket_timeout=2.0)
+            self._made(self.client)
+        return self.client
+
+    def _made(self, client: Any) -> None:
+        """A new client (a subclass registers its scripts here)."""
+
+    def _failed(self, exc: Exception) -> None:
+        self.outage.mark_down(exc)
+        self.down_until = self.clock() + self.backoff.next_delay()
+
+    def _answered(self) -> None:
+        self.outage.mark_up()
+        self.backoff.reset()
+
+    async def _close_client(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None

@@ -13,8 +13,9 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.response_affinity import MIN_BACKOFF_S, AffinityUnavailable, Owner, ResponseAffinity
+from gateway.response_affinity import AffinityUnavailable, Owner, ResponseAffinity
 from prefixgate.procs import free_port
+from router.replica_redis import MIN_BACKOFF_S
 from tests.conftest import RedisServer
 from tests.gateway.loopback import Replica, Request, answer, running_gateway
 from tests.gateway.test_responses_proxy import client, response
