@@ -19,6 +19,8 @@ class StreamScanner(Protocol):
     output: bool  # an event with generated output went by: the prefill is over
     done: bool  # the stream's last event went by: it ended as the replica meant
     cached_tokens: int | None  # the prompt tokens the replica reported cached
+    used_tokens: int | None  # the tokens its usage reports (None: it reports none)
+    outputs: int  # events with generated output (about one token each)
 
     def feed(self, chunk: bytes) -> None: ...
 

@@ -57,6 +57,7 @@ from gateway.sagemaker import INVOCATIONS_PATH, PING_PATH, serve_invocations, se
 from gateway.sagemaker_sessions import Sessions
 from gateway.state import GatewayState
 from gateway.tenant_caps import TenantCaps
+from gateway.tenant_rates import TenantRates
 from gateway.tokens_api import TOKENS_API_PATHS, serve_tokens_api
 from gateway.upstream import Upstream
 from prefixgate.tls import TLSFiles
@@ -144,6 +145,7 @@ def create_app(
         upstream_tls=TLSFiles(tls, *files, "upstream") if any(files) else None,
         sessions=Sessions(config.sagemaker_session_s) if config.sagemaker_session_s else None,
         tenant_caps=TenantCaps(config.redis_url, caps=auth.caps),
+        tenant_rates=TenantRates(config.redis_url, limits=auth.rates),
     )
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
@@ -213,6 +215,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await state.sync.aclose()
         await state.affinity.aclose()
         await state.tenant_caps.aclose()
+        await state.tenant_rates.aclose()
         await state.client.aclose()
         await state.upstream.aclose()
 

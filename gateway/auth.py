@@ -15,6 +15,7 @@ The file is JSON or YAML, a mapping from key to tenant settings::
     sk-docs:   {tenant: docs, shared_namespace: true}
     sk-ops:    {tenant: ops, admin: true}
     sk-batch:  {tenant: batch, priority: 10, max_parallel_requests: 8}
+    sk-trial:  {tenant: trial, rpm_limit: 60, tpm_limit: 20000}
 
 ``admin: true`` lets a key call the gateway's operations that affect every tenant or show
 every tenant's traffic (``POST /reset_prefix_cache``, ``GET /router/stats``); in open
@@ -33,6 +34,10 @@ a 429 past it (gateway/handler.py ``forward_watched``), so that one tenant's flo
 fill every replica's queue ahead of the others; counted over the gateways that share a
 Redis (gateway/tenant_caps.py), else at each gateway. Every key of a tenant gives the
 same cap.
+
+``rpm_limit: N`` and ``tpm_limit: N`` (LiteLLM's names) limit the tenant's requests and
+tokens per minute, over the gateways that share a Redis, else at each gateway; a 429 that
+says when to retry past them (gateway/tenant_rates.py). One value per tenant too.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from pathlib import Path
 
 import yaml
 
+from gateway.tenant_rates import Limits
 from prefixgate.wire import OpenAIError
 
 
@@ -56,6 +62,8 @@ class Tenant:
     admin: bool = False  # may call operations that affect every tenant
     priority: int | None = None  # forced on the tenant's requests; None: the client's
     max_parallel_requests: int | None = None  # in flight at once; None: no cap
+    rpm_limit: int | None = None  # requests per minute; None: no limit
+    tpm_limit: int | None = None  # tokens per minute; None: no limit
 
     @property
     def salt(self) -> str:
@@ -92,20 +100,22 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
             not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= 2**63
         ):
             raise ValueError(f"API key {key[:6]}…: priority is an integer (a 64-bit one)")
-        cap = spec.get("max_parallel_requests")
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"API key {key[:6]}…: max_parallel_requests is a positive integer")
-        tenants[key] = Tenant(name, salt, shared, admin, priority, cap)
-    caps: dict[str, int | None] = {}
-    for tenant in tenants.values():
-        if (
-            caps.setdefault(tenant.name, tenant.max_parallel_requests)
-            != tenant.max_parallel_requests
-        ):
-            raise ValueError(
-                f"tenant {tenant.name}: its keys give different max_parallel_requests (one cap "
-                "per tenant)"
-            )
+        limits = [spec.get(name) for name in TENANT_LIMITS]
+        for limit, field_name in zip(limits, TENANT_LIMITS, strict=True):
+            if limit is not None and (
+                not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+            ):
+                raise ValueError(f"API key {key[:6]}…: {field_name} is a positive integer")
+        tenants[key] = Tenant(name, salt, shared, admin, priority, *limits)
+    for field_name in TENANT_LIMITS:
+        seen: dict[str, int | None] = {}
+        for tenant in tenants.values():
+            value = getattr(tenant, field_name)
+            if seen.setdefault(tenant.name, value) != value:
+                raise ValueError(
+                    f"tenant {tenant.name}: its keys give different {field_name} (one limit "
+                    "per tenant)"
+                )
     return tenants
 
 
@@ -115,13 +125,17 @@ def load_api_keys(path: Path) -> dict[str, Tenant]:
     return parse_api_keys(data)
 
 
+# A tenant's limits: one value for all its keys, a positive integer (gateway/tenant_caps.py,
+# gateway/tenant_rates.py)
+TENANT_LIMITS = ("max_parallel_requests", "rpm_limit", "tpm_limit")
+
 OPEN_TENANT = Tenant("default", "", shared_namespace=True)
 
 
 class Authenticator:
     """Checks bearer keys; built without keys it is open (one shared namespace)."""
 
-    __slots__ = ("_by_digest", "caps")
+    __slots__ = ("_by_digest", "caps", "rates")
 
     def __init__(self, keys: Mapping[str, Tenant] | None = None) -> None:
         # Looked up by the key's digest, so lookup time says nothing about near misses.
@@ -133,6 +147,12 @@ class Authenticator:
             t.name: t.max_parallel_requests
             for t in (keys or {}).values()
             if t.max_parallel_requests is not None
+        }
+        # tenant name -> its rpm_limit and tpm_limit, for the tenants that have either
+        self.rates: dict[str, Limits] = {
+            t.name: Limits(t.rpm_limit, t.tpm_limit)
+            for t in (keys or {}).values()
+            if t.rpm_limit is not None or t.tpm_limit is not None
         }
 
     @property

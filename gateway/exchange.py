@@ -31,6 +31,10 @@ class Exchange:
     status: int = 200
     ttfb: float | None = None  # perf_counter() at the first upstream byte
     cached_tokens: int | None = None  # as the replica reported it
+    count_tokens: bool = False  # the tenant has a tpm_limit: read the answer's usage
+    used_tokens: int | None = None  # the usage the answer reported (count_tokens only)
+    output_events: int = 0  # streamed events with generated output
+    rate_headers: tuple[tuple[bytes, bytes], ...] = ()  # x-ratelimit-*: the tenant's limits
     retries: int = 0
     responded: bool = False  # the response head went out
     finished: bool = False
@@ -50,6 +54,7 @@ class Exchange:
             )
             headers.append((b"x-prefixgate-replica", self.replica.encode("latin-1")))
             headers.append((b"x-prefixgate-route", route.encode("latin-1")))
+        headers.extend(self.rate_headers)
         return headers
 
     def finish(self, metrics: GatewayMetrics) -> None:

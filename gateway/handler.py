@@ -292,7 +292,11 @@ async def forward_watched(
 ) -> None:
     """``forward`` the request, abandoned (a 499 in the log) if the client disconnects;
     a 429 when its tenant has its ``max_parallel_requests`` in flight already (at the
-    gateways sharing a Redis: gateway/tenant_caps.py)."""
+    gateways sharing a Redis: gateway/tenant_caps.py) or has used its ``rpm_limit`` or
+    ``tpm_limit`` (gateway/tenant_rates.py)."""
+    rates = state.tenant_rates
+    if ex.tenant in rates.limits:
+        await _admit_rate(state, ex)
     caps = state.tenant_caps
     if ex.tenant in caps.caps and (cap := await caps.acquire(ex.tenant)) is not None:
         raise OpenAIError(
@@ -318,6 +322,32 @@ async def forward_watched(
             watch.stop()
     finally:
         caps.release(ex.tenant)
+        if ex.count_tokens and (ex.status < 400 or ex.status == 499):  # left: used so far
+            used = ex.used_tokens
+            rates.charge(ex.tenant, used if used is not None else _estimated(request, ex))
+
+
+async def _admit_rate(state: GatewayState, ex: Exchange) -> None:
+    """Take one request from the tenant's per-minute buckets, or refuse it with a 429
+    that names the limit and when a retry passes (its headers in ``ex.rate_headers``)."""
+    verdict = await state.tenant_rates.admit(ex.tenant)
+    ex.rate_headers = verdict.headers
+    if not verdict.admitted:
+        limit = "rpm_limit" if verdict.refused_by == "requests" else "tpm_limit"
+        raise OpenAIError(
+            f"Your key's tenant has used its {limit} ({verdict.refused_by} per minute): "
+            f"retry in {verdict.wait_s:.1f} s.",
+            status=429,
+            type="rate_limit_error",
+            code=limit,
+        )
+    ex.count_tokens = state.tenant_rates.counts_tokens(ex.tenant)
+
+
+def _estimated(request: Forward, ex: Exchange) -> int:
+    """A request's tokens when its answer reported no usage (a stream without
+    ``include_usage``): its prompt as the gateway counted it, one token per output event."""
+    return request.prompt_tokens + ex.output_events
 
 
 class ClientGone(Exception):

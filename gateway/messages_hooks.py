@@ -29,9 +29,14 @@ WITH_USAGE = frozenset({b"message_start", b"message_delta"})
 
 
 class MessagesScanner(EventScanner):
-    """Watches a Messages event stream: first output, end, cached tokens."""
+    """Watches a Messages event stream: first output, end, cached and used tokens
+    (``message_start`` has the input's, ``message_delta`` the output's so far)."""
 
-    __slots__ = ()
+    __slots__ = ("input_tokens",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_tokens = 0
 
     def _event(self, event: bytes) -> None:
         kind, data = event_parts(event)
@@ -44,10 +49,23 @@ class MessagesScanner(EventScanner):
             cached = cached_tokens_of(usage_of)
             if cached is not None:
                 self.cached_tokens = cached
+            self._count(usage_of.get("usage"))
         if kind in ENDING:
             self.done = True
         elif kind not in STARTING:
             self.output = True
+            if kind == b"content_block_delta":
+                self.outputs += 1
+
+    def _count(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        given = usage.get("input_tokens")
+        if isinstance(given, int) and not isinstance(given, bool) and given >= 0:
+            self.input_tokens = given
+        output = usage.get("output_tokens")
+        if isinstance(output, int) and not isinstance(output, bool) and output >= 0:
+            self.used_tokens = self.input_tokens + output
 
 
 def cached_tokens_of(answer: dict[str, Any]) -> int | None:

@@ -21,6 +21,7 @@ from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
 from gateway.sagemaker_sessions import Sessions
 from gateway.tenant_caps import TenantCaps
+from gateway.tenant_rates import TenantRates
 from gateway.upstream import Upstream
 from prefixgate.tls import TLSFiles
 from router.router import ReplicaView, Router
@@ -46,6 +47,10 @@ class GatewayState:
     # Tenants' requests in flight against their max_parallel_requests (handler.py
     # forward_watched), shared with the other gateways through Redis (tenant_caps.py)
     tenant_caps: TenantCaps = field(default_factory=TenantCaps)
+    # Tenants' requests and tokens per minute against their rpm_limit and tpm_limit
+    # (forward_watched), in buckets shared with the other gateways through Redis
+    # (tenant_rates.py)
+    tenant_rates: TenantRates = field(default_factory=TenantRates)
     # replica URL -> when to ask its /is_paused again: it had none (probes.py)
     pause_unasked: dict[str, float] = field(default_factory=dict)
     upstream_tls: TLSFiles | None = None  # the --upstream-* files, reloaded when they change

@@ -1,6 +1,7 @@
 """What a passing answer says, read without parsing all of it: the prompt cache the
-replica reported (``usage.prompt_tokens_details.cached_tokens``) and, in a stream, the
-first event that carries generated output (the end of the replica's prefill)."""
+replica reported (``usage.prompt_tokens_details.cached_tokens``), the tokens it used (for
+a tenant's ``tpm_limit``) and, in a stream, the first event that carries generated output
+(the end of the replica's prefill)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,17 @@ def sse_events(tail: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
 class EventScanner:
     """Watches a passing SSE stream, one whole event at a time (``_event``), without
     copying more than the one event that straddles a chunk boundary: its first output,
-    its end, and the cached tokens its usage reports."""
+    its end, the events with output, and the cached and used tokens its usage reports."""
 
-    __slots__ = ("cached_tokens", "done", "output", "tail")
+    __slots__ = ("cached_tokens", "done", "output", "outputs", "tail", "used_tokens")
 
     def __init__(self) -> None:
         self.tail = b""
         self.done = False  # the stream's last event went by
         self.output = False  # an event with generated output went by
+        self.outputs = 0  # events with generated output (about one token each)
         self.cached_tokens: int | None = None
+        self.used_tokens: int | None = None  # the usage's total, when the stream has one
 
     def feed(self, chunk: bytes) -> None:
         events, self.tail = sse_events(self.tail, chunk)
@@ -56,12 +59,19 @@ class SSEScanner(EventScanner):
         if event.startswith(b"data: [DONE]"):
             self.done = True
             return
-        if not self.output and OUTPUT.search(event):
+        if OUTPUT.search(event):
             self.output = True
-        if b'"cached_tokens"' in event and event.startswith(b"data:"):
+            self.outputs += 1
+        if not event.startswith(b"data:"):
+            return
+        if b'"cached_tokens"' in event:
             found = cached_tokens_in(event[5:])
             if found is not None:
                 self.cached_tokens = found
+        if b'"total_tokens"' in event:  # a usage (SGLang sends `"usage":null` in every chunk)
+            used = used_tokens_in(event[5:])
+            if used is not None:
+                self.used_tokens = used
 
 
 def cached_tokens_in(raw: bytes) -> int | None:
@@ -91,3 +101,40 @@ def cached_tokens_in(raw: bytes) -> int | None:
     except (ValueError, AttributeError):
         return None
     return value if isinstance(value, int) else None
+
+
+def used_tokens_in(raw: bytes) -> int | None:
+    """The tokens a JSON answer (or a stream's event) says it used: its usage's
+    ``total_tokens`` (chat, completions, embeddings, Responses), else ``input_tokens`` +
+    ``output_tokens`` (Anthropic's Messages), else ``prompt_tokens`` + ``completion_tokens``;
+    None without a usage."""
+    if b'"usage"' not in raw:
+        return None
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(answer, dict):
+        return None
+    usage = answer.get("usage")
+    if usage is None and isinstance(answer.get("response"), dict):  # a Responses event
+        usage = answer["response"].get("usage")
+    if usage is None and isinstance(answer.get("message"), dict):  # Messages' first event
+        usage = answer["message"].get("usage")
+    return tokens_of_usage(usage)
+
+
+def tokens_of_usage(usage: object) -> int | None:
+    """``used_tokens_in`` for a usage object already parsed."""
+    if not isinstance(usage, dict):
+        return None
+    for names in (("total_tokens",), ("input_tokens", "output_tokens"), PROMPT_AND_COMPLETION):
+        values = [usage.get(name, 0) for name in names]
+        if any(name in usage for name in names) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+        ):
+            return sum(values)
+    return None
+
+
+PROMPT_AND_COMPLETION = ("prompt_tokens", "completion_tokens")

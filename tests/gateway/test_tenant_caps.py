@@ -107,7 +107,7 @@ def test_the_keys_file_takes_one_positive_cap_per_tenant() -> None:
         with pytest.raises(ValueError, match="max_parallel_requests"):
             parse_api_keys({"k": {"tenant": "t", "max_parallel_requests": bad}})
     two = {"a": {"tenant": "t", "max_parallel_requests": 2}, "b": {"tenant": "t"}}
-    with pytest.raises(ValueError, match="one cap per tenant"):
+    with pytest.raises(ValueError, match="one limit per tenant"):
         parse_api_keys(two)
 
 

@@ -1,0 +1,248 @@
+"""A tenant's ``rpm_limit`` and ``tpm_limit`` (gateway/auth.py; LiteLLM's names): its
+requests and tokens per minute, over the gateways that share a Redis.
+
+Each limit is a bucket of one minute's worth, refilled at the limit per minute
+(``limit / 60`` a second, never past the limit). A request is admitted while the request
+bucket holds one request and the token bucket one token; admitting takes one request.
+Its tokens are not known until its answer, so they are charged then (``charge``): the
+answer's ``usage`` (``total_tokens``, or ``input_tokens + output_tokens`` for Anthropic's
+Messages), or, for a stream that reports none, the gateway's count of the prompt and one
+token per streamed output event (vLLM and SGLang stream one token an event by default).
+The token bucket may go below zero, down to one minute's worth, so that a long answer
+holds its tenant back until its tokens are paid for, and one huge request at most a
+minute. A tenant may so burst one minute's worth, and then goes at the limit's rate, as
+OpenAI's own limits do. A refused request is a 429 that says which limit and when a retry
+will pass (``Retry-After``, and ``retry-after-ms``, which the OpenAI client waits before
+its own retries); every answer to a limited tenant carries OpenAI's
+``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers.
+
+With Redis the two buckets are one hash per tenant, ``prefixgate:tenant_rate:TENANT``
+(``r`` requests, ``k`` tokens, ``t`` when last refilled), changed only by ``SCRIPT`` on
+Redis's own clock: gateways share the buckets and need not agree on the time. Without
+Redis, or while it fails (logged once an outage; retried after a backoff), each gateway
+keeps its own buckets: behind G gateways a tenant then gets G times its limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.replica_redis import BackedOffRedis, Outage
+
+log = logging.getLogger("prefixgate.gateway")
+
+REDIS_PREFIX = "prefixgate:tenant_rate:"
+KEY_TTL_S = 120  # a bucket untouched for this long is full again: Redis may drop it
+MINUTE_S = 60.0
+
+# KEYS[1] the tenant's hash; ARGV rpm, tpm (0: none), charge (tokens; 0: admit a request).
+# Returns 0 when admitted, else the limit that refuses it (the one a retry must wait
+# longer for: 1 requests, 2 tokens); the milliseconds until a request would be admitted;
+# the requests and tokens left (floored); the milliseconds until both buckets are full.
+SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local rpm, tpm, charge = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local v = redis.call('HMGET', KEYS[1], 'r', 'k', 't')
+local dt = math.max(0, now - (tonumber(v[3]) or now))
+local r = math.min(rpm, (tonumber(v[1]) or rpm) + dt * rpm / 60)
+local k = math.min(tpm, (tonumber(v[2]) or tpm) + dt * tpm / 60)
+local by, wait = 0, 0
+if charge > 0 then
+  k = math.max(-tpm, k - charge)
+else
+  if rpm > 0 and r < 1 then by = 1; wait = (1 - r) * 60 / rpm end
+  if tpm > 0 and k < 1 and (1 - k) * 60 / tpm > wait then by = 2; wait = (1 - k) * 60 / tpm end
+  if by == 0 and rpm > 0 then r = r - 1 end
+end
+redis.call('HSET', KEYS[1], 'r', tostring(r), 'k', tostring(k), 't', tostring(now))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+local full = 0
+if rpm > 0 then full = (rpm - r) * 60 / rpm end
+if tpm > 0 then full = math.max(full, (tpm - k) * 60 / tpm) end
+return {by, math.ceil(wait * 1000), math.floor(r), math.floor(k), math.ceil(full * 1000)}
+"""
+
+
+REFUSED_BY = ("", "requests", "tokens")  # SCRIPT's first answer
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens per minute
+
+
+@dataclass(slots=True, frozen=True)
+class Verdict:
+    """What one admission found: whether the request passes, and the headers its answer
+    carries (OpenAI's ``x-ratelimit-*``; on a refusal also ``retry-after``)."""
+
+    admitted: bool
+    refused_by: str = ""  # when refused, the limit a retry waits for: "requests", "tokens"
+    wait_s: float = 0.0  # until a request would be admitted
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+@dataclass(slots=True)
+class Bucket:
+    """A tenant's two buckets at this gateway (no Redis, or Redis failing)."""
+
+    requests: float
+    tokens: float
+    at: float
+
+
+@dataclass(slots=True)
+class TenantRates(BackedOffRedis):
+    limits: dict[str, Limits] = field(default_factory=dict)  # for the limited tenants only
+    local: dict[str, Bucket] = field(default_factory=dict)  # this gateway's own buckets
+    script: Any = None  # SCRIPT, registered with the client
+    charges: set[asyncio.Task[None]] = field(default_factory=set)  # charges in flight
+    monotonic: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.outage = Outage(
+            log,
+            self.redis_url or "",
+            down_note="tenant rate limits are kept by each gateway alone",
+            up_note="; tenant rate limits are kept in Redis again",
+        )
+
+    def counts_tokens(self, tenant: str) -> bool:
+        limits = self.limits.get(tenant)
+        return limits is not None and limits.tpm is not None
+
+    async def admit(self, tenant: str) -> Verdict:
+        """One request of ``tenant`` (one with limits) against its buckets."""
+        limits = self.limits[tenant]
+        client = self._redis()
+        if client is not None:
+            try:
+                reply = await self.script(
+                    keys=[REDIS_PREFIX + tenant],
+                    args=[limits.rpm or 0, limits.tpm or 0, 0, KEY_TTL_S],
+                    client=client,
+                )
+            except Exception as exc:  # Redis failing: this gateway's own buckets
+                self._failed(exc)
+            else:
+                self._answered()
+                by, wait_ms, requests, tokens, full_ms = (int(x) for x in reply)
+                return _verdict(
+                    limits, REFUSED_BY[by], wait_ms / 1e3, requests, tokens, full_ms / 1e3
+                )
+        return self._admit_here(tenant, limits)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """``tokens`` used by an admitted request of ``tenant`` (not waited for)."""
+        limits = self.limits.get(tenant)
+        if limits is None or limits.tpm is None or tokens <= 0:
+            return
+        client = self._redis()
+        if client is None:
+            bucket = self._refilled(tenant, limits)
+            bucket.tokens = max(-limits.tpm, bucket.tokens - tokens)
+            return
+        task = asyncio.get_running_loop().create_task(self._charge(client, tenant, limits, tokens))
+        self.charges.add(task)
+        task.add_done_callback(self.charges.discard)
+
+    async def _charge(self, client: Any, tenant: str, limits: Limits, tokens: int) -> None:
+        try:
+            await self.script(
+                keys=[REDIS_PREFIX + tenant],
+                args=[limits.rpm or 0, limits.tpm, tokens, KEY_TTL_S],
+                client=client,
+            )
+        except Exception as exc:  # the tokens go uncharged: the tenant gets them free
+            self._failed(exc)
+            bucket = self._refilled(tenant, limits)
+            bucket.tokens = max(-(limits.tpm or 0), bucket.tokens - tokens)
+        else:
+            self._answered()
+
+    def _admit_here(self, tenant: str, limits: Limits) -> Verdict:
+        bucket = self._refilled(tenant, limits)
+        by, wait = "", 0.0
+        if limits.rpm and bucket.requests < 1:
+            by, wait = "requests", (1 - bucket.requests) * MINUTE_S / limits.rpm
+        if limits.tpm and bucket.tokens < 1 and (1 - bucket.tokens) * MINUTE_S / limits.tpm > wait:
+            by, wait = "tokens", (1 - bucket.tokens) * MINUTE_S / limits.tpm
+        if not by and limits.rpm:
+            bucket.requests -= 1
+        full = 0.0
+        if limits.rpm:
+            full = (limits.rpm - bucket.requests) * MINUTE_S / limits.rpm
+        if limits.tpm:
+            full = max(full, (limits.tpm - bucket.tokens) * MINUTE_S / limits.tpm)
+        return _verdict(
+            limits,
+            by,
+            wait,
+            math.floor(bucket.requests),
+            math.floor(bucket.tokens),
+            full,
+        )
+
+    def _refilled(self, tenant: str, limits: Limits) -> Bucket:
+        rpm, tpm = limits.rpm or 0, limits.tpm or 0
+        now = self.monotonic()
+        bucket = self.local.get(tenant)
+        if bucket is None:
+            bucket = self.local[tenant] = Bucket(rpm, tpm, now)
+            return bucket
+        elapsed = max(0.0, now - bucket.at)
+        bucket.requests = min(rpm, bucket.requests + elapsed * rpm / MINUTE_S)
+        bucket.tokens = min(tpm, bucket.tokens + elapsed * tpm / MINUTE_S)
+        bucket.at = now
+        return bucket
+
+    def _made(self, client: Any) -> None:
+        self.script = client.register_script(SCRIPT)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*self.charges, return_exceptions=True)
+        await self._close_client()
+
+
+def _verdict(
+    limits: Limits, refused_by: str, wait_s: float, requests: int, tokens: int, full_s: float
+) -> Verdict:
+    reset = duration(full_s).encode()
+    headers: list[tuple[bytes, bytes]] = []
+    if limits.rpm is not None:
+        headers += [
+            (b"x-ratelimit-limit-requests", str(limits.rpm).encode()),
+            (b"x-ratelimit-remaining-requests", str(max(0, requests)).encode()),
+            (b"x-ratelimit-reset-requests", reset),
+        ]
+    if limits.tpm is not None:
+        headers += [
+            (b"x-ratelimit-limit-tokens", str(limits.tpm).encode()),
+            (b"x-ratelimit-remaining-tokens", str(max(0, tokens)).encode()),
+            (b"x-ratelimit-reset-tokens", reset),
+        ]
+    if not refused_by:
+        return Verdict(True, headers=tuple(headers))
+    headers += [
+        (b"retry-after", str(max(1, math.ceil(wait_s))).encode()),
+        (b"retry-after-ms", str(max(1, math.ceil(wait_s * 1e3))).encode()),
+    ]
+    return Verdict(False, refused_by, wait_s, tuple(headers))
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's form of a reset time: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1e3))}ms"
+    if seconds < MINUTE_S:
+        return f"{seconds:.3g}s"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s"
