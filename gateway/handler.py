@@ -294,9 +294,6 @@ async def forward_watched(
     a 429 when its tenant has its ``max_parallel_requests`` in flight already (at the
     gateways sharing a Redis: gateway/tenant_caps.py) or has used its ``rpm_limit`` or
     ``tpm_limit`` (gateway/tenant_rates.py)."""
-    rates = state.tenant_rates
-    if ex.tenant in rates.limits:
-        await _admit_rate(state, ex)
     caps = state.tenant_caps
     if ex.tenant in caps.caps and (cap := await caps.acquire(ex.tenant)) is not None:
         raise OpenAIError(
@@ -307,7 +304,10 @@ async def forward_watched(
             code="max_parallel_requests",
             headers={"Retry-After": "1"},
         )
+    rates = state.tenant_rates
     try:
+        if ex.tenant in rates.limits:  # after the cap: a request it refuses costs no rate
+            await _admit_rate(state, ex)
         watch = DisconnectWatch(receive)
         try:
             await forward(state, ex, request, send)
@@ -322,7 +322,9 @@ async def forward_watched(
             watch.stop()
     finally:
         caps.release(ex.tenant)
-        if ex.count_tokens and (ex.status < 400 or ex.status == 499):  # left: used so far
+        # Answered, or left (the tokens used so far); not a request that failed before
+        # its answer (its error is sent after this).
+        if ex.count_tokens and ((ex.responded and ex.status < 400) or ex.status == 499):
             used = ex.used_tokens
             rates.charge(ex.tenant, used if used is not None else _estimated(request, ex))
 
