@@ -32,7 +32,7 @@ from gateway.adapters import (
     serve_sagemaker_adapters,
 )
 from gateway.audio import AUDIO_PATHS, serve_audio
-from gateway.auth import Authenticator, load_api_keys
+from gateway.auth import Authenticator, Tenant, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
 from gateway.generate import ABORT_PATH as SGLANG_ABORT_PATH
@@ -224,17 +224,25 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
-        if denied := _denied(state, request):
-            return denied
-        data = [state.card(m, healthy_only=True) for m in state.models(healthy_only=True)]
+        tenant = _tenant(state, request)
+        if isinstance(tenant, Response):
+            return tenant
+        data = [
+            state.card(m, healthy_only=True)
+            for m in state.models(healthy_only=True)
+            if state.auth.may_call(tenant.name, m)
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(request: Request, model: str) -> Response:
         state: GatewayState = request.app.state.gateway
-        if denied := _denied(state, request):
-            return denied
-        if model not in state.models(healthy_only=False):
+        tenant = _tenant(state, request)
+        if isinstance(tenant, Response):
+            return tenant
+        if model not in state.models(healthy_only=False) or not state.auth.may_call(
+            tenant.name, model
+        ):
             return JSONResponse(unknown_model(model).body(), 404)
         return JSONResponse(state.card(model, healthy_only=False))
 
@@ -311,13 +319,13 @@ def _add_routes(app: FastAPI) -> None:
         return JSONResponse(error_body(message, code=code), exc.status_code)
 
 
-def _denied(state: GatewayState, request: Request) -> Response | None:
-    """The 401 answer when keys are configured and the request has no valid one."""
+def _tenant(state: GatewayState, request: Request) -> Tenant | Response:
+    """The request's tenant, or the 401 answer when keys are configured and the request
+    has no valid one."""
     try:
-        state.auth.authenticate(request.headers.get("authorization"))
+        return state.auth.authenticate(request.headers.get("authorization"))
     except OpenAIError as err:
         return JSONResponse(err.body(), err.status, headers=err.headers)
-    return None
 
 
 def _not_admin(state: GatewayState, request: Request, why: str) -> Response | None:

@@ -35,6 +35,12 @@ fill every replica's queue ahead of the others; counted over the gateways that s
 Redis (gateway/tenant_caps.py), else at each gateway. Every key of a tenant gives the
 same cap.
 
+``models: [NAME, ...]`` (LiteLLM's name) lists the models, served names, aliases and
+LoRA adapters alike, that the tenant may call; any other is answered as a model that does
+not exist (404 ``model_not_found``: a tenant cannot tell another's adapter is loaded),
+and ``/v1/models`` lists only those. Without it, or empty, every model. One list per
+tenant.
+
 ``rpm_limit: N`` and ``tpm_limit: N`` (LiteLLM's names) limit the tenant's requests and
 tokens per minute, over the gateways that share a Redis, else at each gateway; a 429 that
 says when to retry past them (gateway/tenant_rates.py). One value per tenant too.
@@ -64,6 +70,7 @@ class Tenant:
     max_parallel_requests: int | None = None  # in flight at once; None: no cap
     rpm_limit: int | None = None  # requests per minute; None: no limit
     tpm_limit: int | None = None  # tokens per minute; None: no limit
+    models: frozenset[str] | None = None  # the models it may call; None: every one
 
     @property
     def salt(self) -> str:
@@ -74,6 +81,11 @@ class Tenant:
 def derived_salt(tenant: str) -> str:
     """A stable salt from the tenant's name, equal on every gateway that reads the file."""
     return hashlib.sha256(b"prefixgate-tenant\x00" + tenant.encode()).hexdigest()[:32]
+
+
+# A tenant's limits, positive integers (gateway/tenant_caps.py, gateway/tenant_rates.py);
+# they and its ``models`` (gateway/handler.py forward_watched) are one value for all its keys
+TENANT_COUNTS = ("max_parallel_requests", "rpm_limit", "tpm_limit")
 
 
 def parse_api_keys(data: object) -> dict[str, Tenant]:
@@ -100,15 +112,22 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
             not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= 2**63
         ):
             raise ValueError(f"API key {key[:6]}…: priority is an integer (a 64-bit one)")
-        limits = [spec.get(name) for name in TENANT_LIMITS]
-        for limit, field_name in zip(limits, TENANT_LIMITS, strict=True):
+        limits = [spec.get(field_name) for field_name in TENANT_COUNTS]
+        for limit, field_name in zip(limits, TENANT_COUNTS, strict=True):
             if limit is not None and (
                 not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
             ):
                 raise ValueError(f"API key {key[:6]}…: {field_name} is a positive integer")
-        tenants[key] = Tenant(name, salt, shared, admin, priority, *limits)
-    for field_name in TENANT_LIMITS:
-        seen: dict[str, int | None] = {}
+        models = spec.get("models")
+        if models is not None and (
+            not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)
+        ):
+            raise ValueError(f"API key {key[:6]}…: models is a list of model names")
+        allowed = frozenset(models) if models else None  # [] as LiteLLM reads it: every one
+        cap, rpm, tpm = limits
+        tenants[key] = Tenant(name, salt, shared, admin, priority, cap, rpm, tpm, allowed)
+    for field_name in (*TENANT_COUNTS, "models"):
+        seen: dict[str, object] = {}
         for tenant in tenants.values():
             value = getattr(tenant, field_name)
             if seen.setdefault(tenant.name, value) != value:
@@ -125,17 +144,13 @@ def load_api_keys(path: Path) -> dict[str, Tenant]:
     return parse_api_keys(data)
 
 
-# A tenant's limits: one value for all its keys, a positive integer (gateway/tenant_caps.py,
-# gateway/tenant_rates.py)
-TENANT_LIMITS = ("max_parallel_requests", "rpm_limit", "tpm_limit")
-
 OPEN_TENANT = Tenant("default", "", shared_namespace=True)
 
 
 class Authenticator:
     """Checks bearer keys; built without keys it is open (one shared namespace)."""
 
-    __slots__ = ("_by_digest", "caps", "rates")
+    __slots__ = ("_by_digest", "caps", "models", "rates")
 
     def __init__(self, keys: Mapping[str, Tenant] | None = None) -> None:
         # Looked up by the key's digest, so lookup time says nothing about near misses.
@@ -154,6 +169,15 @@ class Authenticator:
             for t in (keys or {}).values()
             if t.rpm_limit is not None or t.tpm_limit is not None
         }
+        # tenant name -> the models it may call, for the tenants that have a list
+        self.models: dict[str, frozenset[str]] = {
+            t.name: t.models for t in (keys or {}).values() if t.models is not None
+        }
+
+    def may_call(self, tenant: str, model: str) -> bool:
+        """Whether ``tenant`` may call ``model`` (its ``models`` list, if it has one)."""
+        allowed = self.models.get(tenant)
+        return allowed is None or model in allowed
 
     @property
     def open(self) -> bool:

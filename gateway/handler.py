@@ -293,7 +293,16 @@ async def forward_watched(
     """``forward`` the request, abandoned (a 499 in the log) if the client disconnects;
     a 429 when its tenant has its ``max_parallel_requests`` in flight already (at the
     gateways sharing a Redis: gateway/tenant_caps.py) or has used its ``rpm_limit`` or
-    ``tpm_limit`` (gateway/tenant_rates.py)."""
+    ``tpm_limit`` (gateway/tenant_rates.py); a 404 for a model outside its tenant's
+    ``models`` (gateway/auth.py)."""
+    if not (request.owned or state.auth.may_call(ex.tenant, ex.model)):
+        if not ex.model:
+            raise OpenAIError(
+                "Name the model: your key may call only some of the models served.",
+                param="model",
+                code="missing_model",
+            )
+        raise unknown_model(ex.model)
     caps = state.tenant_caps
     if ex.tenant in caps.caps and (cap := await caps.acquire(ex.tenant)) is not None:
         raise OpenAIError(

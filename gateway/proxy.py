@@ -71,6 +71,7 @@ class Forward(NamedTuple):
     method: str = "POST"
     pinned: Decision | None = None  # this replica only, once: route() is not asked
     hooks: AnswerHooks | None = None  # None: chat or completions (gateway/answer_hooks.py)
+    owned: bool = False  # about a stored object its tenant owns (a response by id): no model
 
 
 class UpstreamFailure(NamedTuple):

@@ -134,6 +134,7 @@ async def _request(
         prompt_tokens=0,
         conversation=owner.conversation,
         model=None,
+        owned=True,  # a stored response, by its id: no model named (its create was checked)
         path=upstream_path + (f"?{query}" if query else ""),
         body=b"",
         headers=forward_headers(ex.request_id, state.upstream_authorization(headers), headers),
