@@ -39,6 +39,8 @@ from gateway.generate import ABORT_PATH as SGLANG_ABORT_PATH
 from gateway.generate import PATH as GENERATE_PATH
 from gateway.generate import serve_abort, serve_generate
 from gateway.handler import HOT_PATHS, serve_completion, unknown_model
+from gateway.keys_file import REFRESH_S as KEYS_REFRESH_S
+from gateway.keys_file import KeysFile
 from gateway.messages import PATH as MESSAGES_PATH
 from gateway.messages import serve_messages
 from gateway.metrics import GatewayMetrics
@@ -124,6 +126,8 @@ def create_app(
 ) -> GatewayApp:
     # Replicas start unknown: no traffic until a /health probe answers (router/health.py).
     router = router or Router(config.router, policy=config.policy, probe_first=True)
+    # Stamped before it is read: a change in between is read again at the first check.
+    keys_file = KeysFile(config.api_keys_path) if config.api_keys_path else None
     auth = Authenticator(load_api_keys(config.api_keys_path) if config.api_keys_path else None)
     tls = config.upstream_tls()
     files = (config.upstream_certfile, config.upstream_keyfile, config.upstream_ca_certs)
@@ -146,6 +150,7 @@ def create_app(
         sessions=Sessions(config.sagemaker_session_s) if config.sagemaker_session_s else None,
         tenant_caps=TenantCaps(config.redis_url, caps=auth.caps),
         tenant_rates=TenantRates(config.redis_url, limits=auth.rates),
+        keys_file=keys_file,
     )
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
@@ -186,7 +191,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         started = state.sync.start()
         if inspect.isawaitable(started):
             await started
-        if state.tenant_caps.caps:  # counted with the other gateways (gateway/tenant_caps.py)
+        if not state.auth.open:  # caps counted with the other gateways (tenant_caps.py)
             state.tenant_caps.gateway_id = state.sync.gateway_id
             state.tasks.append(asyncio.create_task(state.tenant_caps.run()))
     # Aliases and adapters are tokenized as the model they are served by.
@@ -195,6 +200,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await probe_all(state)  # before serving: the replicas that answer take traffic at once
     state.tasks.append(asyncio.create_task(probe_loop(state)))
     state.tasks.append(asyncio.create_task(names_loop(state)))
+    if state.keys_file is not None:  # keys revoked or added on disk are used at once
+        state.tasks.append(asyncio.create_task(watch_keys(state, state.keys_file)))
     if state.upstream_tls is not None:  # certificates rotated on disk are used at once
         state.tasks.append(asyncio.create_task(state.upstream_tls.watch()))
     if pending:
@@ -218,6 +225,19 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.tenant_rates.aclose()
         await state.client.aclose()
         await state.upstream.aclose()
+
+
+async def watch_keys(state: GatewayState, keys_file: KeysFile) -> None:
+    """Check the keys file every ``REFRESH_S``; a settled change that parses is used from
+    the next request on (gateway/keys_file.py)."""
+    while True:
+        await asyncio.sleep(KEYS_REFRESH_S)  # the check period
+        auth = keys_file.check()
+        if auth is not None:
+            state.auth = auth
+            state.tenant_caps.caps = auth.caps
+            state.tenant_rates.limits = auth.rates
+            log.info("API keys reloaded from %s: %d keys", keys_file.path, auth.key_count)
 
 
 def _add_routes(app: FastAPI) -> None:

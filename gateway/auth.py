@@ -183,6 +183,10 @@ class Authenticator:
     def open(self) -> bool:
         return self._by_digest is None
 
+    @property
+    def key_count(self) -> int:
+        return len(self._by_digest or ())
+
     def authenticate(self, authorization: str | None) -> Tenant:
         if self._by_digest is None:
             return OPEN_TENANT

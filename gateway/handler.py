@@ -304,7 +304,8 @@ async def forward_watched(
             )
         raise unknown_model(ex.model)
     caps = state.tenant_caps
-    if ex.tenant in caps.caps and (cap := await caps.acquire(ex.tenant)) is not None:
+    counted = ex.tenant in caps.caps  # the keys may change before it ends (keys_file.py)
+    if counted and (cap := await caps.acquire(ex.tenant)) is not None:
         raise OpenAIError(
             f"Your key's tenant has {cap} requests in flight, its max_parallel_requests: "
             "retry when one has finished.",
@@ -330,7 +331,8 @@ async def forward_watched(
         finally:
             watch.stop()
     finally:
-        caps.release(ex.tenant)
+        if counted:
+            caps.release(ex.tenant)
         # Answered, or left (the tokens used so far); not a request that failed before
         # its answer (its error is sent after this).
         if ex.count_tokens and ((ex.responded and ex.status < 400) or ex.status == 499):

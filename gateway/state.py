@@ -16,6 +16,7 @@ import httpx
 from gateway.abortable import Abortable
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.keys_file import KeysFile
 from gateway.metrics import GatewayMetrics
 from gateway.response_affinity import ResponseAffinity
 from gateway.routing import KeyBuilder
@@ -62,6 +63,8 @@ class GatewayState:
     sglang_generating: Abortable = field(default_factory=Abortable)
     # SageMaker's stateful sessions (gateway/sagemaker.py); None: not enabled
     sessions: Sessions | None = None
+    # the --api-keys file, watched for changes (gateway/app.py watch_keys); None: open mode
+    keys_file: KeysFile | None = None
 
     def upstream_authorization(self, headers: dict[str, str]) -> str | None:
         """The Authorization sent upstream: the gateway's --upstream-api-key; else, in open
