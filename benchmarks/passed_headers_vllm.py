@@ -107,11 +107,13 @@ def gateway_from_tree(
     log_path: str,
     env: dict[str, str] | None = None,
     flags: list[str] | None = None,
+    port: int | None = None,
 ) -> tuple[str, subprocess.Popen[bytes]]:
     """A gateway run from the source tree ``tree`` in front of ``engine_url`` (one or a
-    list), with ``env`` added to its environment and ``flags`` on its command line, once
-    ready: its URL and process (stopped by the caller)."""
-    port = free_port()
+    list), with ``env`` added to its environment and ``flags`` on its command line, on
+    ``port`` (a free one by default), once ready: its URL and process (stopped by the
+    caller)."""
+    port = port or free_port()
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(Path(tree).resolve())}
     replicas = [engine_url] if isinstance(engine_url, str) else engine_url
     log = open(log_path, "ab")  # noqa: SIM115 - the child's
