@@ -19,7 +19,7 @@ class StreamScanner(Protocol):
     output: bool  # an event with generated output went by: the prefill is over
     done: bool  # the stream's last event went by: it ended as the replica meant
     cached_tokens: int | None  # the prompt tokens the replica reported cached
-    used_tokens: int | None  # the tokens its usage reports (None: it reports none)
+    usage: tuple[int, int] | None  # input and output tokens its usage reports (None: none)
     outputs: int  # events with generated output (about one token each)
 
     def feed(self, chunk: bytes) -> None: ...

@@ -31,8 +31,8 @@ class Exchange:
     status: int = 200
     ttfb: float | None = None  # perf_counter() at the first upstream byte
     cached_tokens: int | None = None  # as the replica reported it
-    count_tokens: bool = False  # the tenant has a tpm_limit: read the answer's usage
-    used_tokens: int | None = None  # the usage the answer reported (count_tokens only)
+    usage: tuple[int, int] | None = None  # input and output tokens the answer reported
+    prompt_tokens: int = 0  # the prompt's tokens as the gateway counted them
     output_events: int = 0  # streamed events with generated output
     rate_headers: tuple[tuple[bytes, bytes], ...] = ()  # x-ratelimit-*: the tenant's limits
     retries: int = 0
@@ -57,6 +57,20 @@ class Exchange:
         headers.extend(self.rate_headers)
         return headers
 
+    def tokens(self) -> tuple[int, int] | None:
+        """The input and output tokens this request used, for its tenant's accounting:
+        the answer's usage, or, for a stream without one, the prompt as the gateway
+        counted it and one token per output event. None for a request refused or failed
+        before its answer (nothing computed that the tenant is charged for); a client that
+        left is charged what it used so far."""
+        if not ((self.responded and self.status < 400) or self.status == 499):
+            return None
+        if self.usage is not None:
+            return self.usage
+        if self.prompt_tokens or self.output_events:
+            return self.prompt_tokens, self.output_events
+        return None
+
     def finish(self, metrics: GatewayMetrics) -> None:
         """Record the metrics and the access log line (once)."""
         if self.finished:
@@ -74,6 +88,8 @@ class Exchange:
             predicted,
             self.cached_tokens,
         )
+        if self.tenant:
+            metrics.tenant(self.tenant, self.status, self.tokens())
         if access_log.isEnabledFor(logging.INFO):
             line = json.dumps(self._record(end), separators=(",", ":"))
             # Straight to handle(): Logger.info would also walk the stack for a caller

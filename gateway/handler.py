@@ -315,9 +315,11 @@ async def forward_watched(
             headers={"Retry-After": "1"},
         )
     rates = state.tenant_rates
+    ex.prompt_tokens = request.prompt_tokens
+    charged = False  # its tokens count against its tenant's tpm_limit
     try:
         if ex.tenant in rates.limits:  # after the cap: a request it refuses costs no rate
-            await _admit_rate(state, ex)
+            charged = await _admit_rate(state, ex)
         watch = DisconnectWatch(receive)
         try:
             await forward(state, ex, request, send)
@@ -333,16 +335,14 @@ async def forward_watched(
     finally:
         if counted:
             caps.release(ex.tenant)
-        # Answered, or left (the tokens used so far); not a request that failed before
-        # its answer (its error is sent after this).
-        if ex.count_tokens and ((ex.responded and ex.status < 400) or ex.status == 499):
-            used = ex.used_tokens
-            rates.charge(ex.tenant, used if used is not None else _estimated(request, ex))
+        if charged and (tokens := ex.tokens()) is not None:
+            rates.charge(ex.tenant, sum(tokens))
 
 
-async def _admit_rate(state: GatewayState, ex: Exchange) -> None:
+async def _admit_rate(state: GatewayState, ex: Exchange) -> bool:
     """Take one request from the tenant's per-minute buckets, or refuse it with a 429
-    that names the limit and when a retry passes (its headers in ``ex.rate_headers``)."""
+    that names the limit and when a retry passes (its headers in ``ex.rate_headers``);
+    whether its tokens are charged (the tenant has a ``tpm_limit``)."""
     verdict = await state.tenant_rates.admit(ex.tenant)
     ex.rate_headers = verdict.headers
     if not verdict.admitted:
@@ -354,13 +354,7 @@ async def _admit_rate(state: GatewayState, ex: Exchange) -> None:
             type="rate_limit_error",
             code=limit,
         )
-    ex.count_tokens = state.tenant_rates.counts_tokens(ex.tenant)
-
-
-def _estimated(request: Forward, ex: Exchange) -> int:
-    """A request's tokens when its answer reported no usage (a stream without
-    ``include_usage``): its prompt as the gateway counted it, one token per output event."""
-    return request.prompt_tokens + ex.output_events
+    return state.tenant_rates.counts_tokens(ex.tenant)
 
 
 class ClientGone(Exception):

@@ -65,7 +65,7 @@ class MessagesScanner(EventScanner):
             self.input_tokens = given
         output = usage.get("output_tokens")
         if isinstance(output, int) and not isinstance(output, bool) and output >= 0:
-            self.used_tokens = self.input_tokens + output
+            self.usage = (self.input_tokens, output)
 
 
 def cached_tokens_of(answer: dict[str, Any]) -> int | None:

@@ -65,6 +65,8 @@ class GatewayMetrics:
         "registry",
         "requests",
         "retries",
+        "tenant_requests",
+        "tenant_tokens",
         "ttft",
         "upstream_failures",
     )
@@ -121,6 +123,21 @@ class GatewayMetrics:
             ["replica", "kind"],
             registry=r,
         )
+        # Each tenant's use, for chargeback and to see who is near a limit (LiteLLM shows
+        # the same per key). Tenants come from the keys file: a bounded set of labels.
+        self.tenant_requests = Counter(
+            "prefixgate_gateway_tenant_requests",
+            "requests answered, by tenant and status (429: a limit of the tenant's refused it)",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "prefixgate_gateway_tenant_tokens",
+            "tokens used, by tenant and kind (input, output): the answers' usage, or for a "
+            "stream without one the gateway's count of the prompt and one per output event",
+            ["tenant", "kind"],
+            registry=r,
+        )
         if replicas is not None:
             r.register(ReplicaCollector(replicas))
         self._replicas = replicas
@@ -167,6 +184,13 @@ class GatewayMetrics:
             self._child(self.predicted_tokens, replica, replica=replica).inc(predicted_tokens)
             if cached_tokens is not None:
                 self._child(self.cached_tokens, replica, replica=replica).inc(cached_tokens)
+
+    def tenant(self, tenant: str, status: int, tokens: tuple[int, int] | None) -> None:
+        """One finished request of ``tenant``: its count and the tokens it used."""
+        self._child(self.tenant_requests, tenant, str(status)).inc()
+        if tokens is not None:
+            self._child(self.tenant_tokens, tenant, "input").inc(tokens[0])
+            self._child(self.tenant_tokens, tenant, "output").inc(tokens[1])
 
     def decision(self, reason: str) -> None:
         """A routing decision; the reason's first word is the label ("prefix_match")."""

@@ -29,7 +29,7 @@ from gateway.http1 import READ_TIMEOUT, Response, UpstreamError
 from gateway.reply import error_event, send_bytes, send_error_passthrough, send_json
 from gateway.state import GatewayState
 from gateway.upstream import OUT_OF_FILES, POOL_TIMEOUT
-from gateway.usage import SSEScanner, cached_tokens_in, used_tokens_in
+from gateway.usage import SSEScanner, cached_tokens_in, usage_in
 from prefixgate.wire import OpenAIError, error_body
 from router.protocol import DATA_PARALLEL_RANK_HEADER
 from router.router import Decision, NoHealthyReplica, ReplicaView
@@ -341,8 +341,7 @@ async def _send_whole(
         await send_error_passthrough(send, upstream.status, raw, ex)
         return
     ex.cached_tokens = cached_tokens_in(raw) if hooks is None else hooks.cached_tokens(raw)
-    if ex.count_tokens:
-        ex.used_tokens = used_tokens_in(raw)
+    ex.usage = usage_in(raw)
     await send_bytes(send, upstream.status, raw, passed_headers(upstream.raw_headers), ex)
 
 
@@ -401,7 +400,7 @@ async def _send_stream(
         ex.status = 502
     if scanner is not None:
         ex.cached_tokens = scanner.cached_tokens
-        ex.used_tokens = scanner.used_tokens
+        ex.usage = scanner.usage
         ex.output_events = scanner.outputs
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 

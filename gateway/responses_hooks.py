@@ -21,7 +21,7 @@ from typing import Any
 
 from gateway.answer_hooks import StreamScanner
 from gateway.response_affinity import Owner, ResponseAffinity
-from gateway.usage import EventScanner, tokens_of_usage
+from gateway.usage import EventScanner, usage_of
 
 STARTING = frozenset({b"response.created", b"response.in_progress"})  # before any output
 ENDING = frozenset({b"response.completed", b"response.incomplete", b"response.failed", b"error"})
@@ -52,9 +52,9 @@ class ResponsesScanner(EventScanner):
                 cached = cached_tokens_of(response) if self.count_cached else None
                 if cached is not None:
                     self.cached_tokens = cached
-                used = tokens_of_usage(response.get("usage"))
-                if used is not None:
-                    self.used_tokens = used
+                usage = usage_of(response.get("usage"))
+                if usage is not None:
+                    self.usage = usage
         if kind in ENDING:
             self.done = True
         if kind not in STARTING and kind != b"error":

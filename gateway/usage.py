@@ -1,7 +1,7 @@
 """What a passing answer says, read without parsing all of it: the prompt cache the
-replica reported (``usage.prompt_tokens_details.cached_tokens``), the tokens it used (for
-a tenant's ``tpm_limit``) and, in a stream, the first event that carries generated output
-(the end of the replica's prefill)."""
+replica reported (``usage.prompt_tokens_details.cached_tokens``), the tokens it used (each
+tenant's accounting, and its ``tpm_limit``) and, in a stream, the first event that
+carries generated output (the end of the replica's prefill)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def sse_events(tail: bytes, chunk: bytes) -> tuple[list[bytes], bytes]:
 class EventScanner:
     """Watches a passing SSE stream, one whole event at a time (``_event``), without
     copying more than the one event that straddles a chunk boundary: its first output,
-    its end, the events with output, and the cached and used tokens its usage reports."""
+    its end, the events with output, and the cached, input and output tokens its usage
+    reports."""
 
-    __slots__ = ("cached_tokens", "done", "output", "outputs", "tail", "used_tokens")
+    __slots__ = ("cached_tokens", "done", "output", "outputs", "tail", "usage")
 
     def __init__(self) -> None:
         self.tail = b""
@@ -39,7 +40,7 @@ class EventScanner:
         self.output = False  # an event with generated output went by
         self.outputs = 0  # events with generated output (about one token each)
         self.cached_tokens: int | None = None
-        self.used_tokens: int | None = None  # the usage's total, when the stream has one
+        self.usage: Tokens | None = None  # input and output tokens, when the stream says
 
     def feed(self, chunk: bytes) -> None:
         events, self.tail = sse_events(self.tail, chunk)
@@ -69,9 +70,9 @@ class SSEScanner(EventScanner):
             if found is not None:
                 self.cached_tokens = found
         if b'"total_tokens"' in event:  # a usage (SGLang sends `"usage":null` in every chunk)
-            used = used_tokens_in(event[5:])
-            if used is not None:
-                self.used_tokens = used
+            usage = usage_in(event[5:])
+            if usage is not None:
+                self.usage = usage
 
 
 def cached_tokens_in(raw: bytes) -> int | None:
@@ -103,38 +104,45 @@ def cached_tokens_in(raw: bytes) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def used_tokens_in(raw: bytes) -> int | None:
-    """The tokens a JSON answer (or a stream's event) says it used: its usage's
-    ``total_tokens`` (chat, completions, embeddings, Responses), else ``input_tokens`` +
-    ``output_tokens`` (Anthropic's Messages), else ``prompt_tokens`` + ``completion_tokens``;
-    None without a usage."""
-    if b'"usage"' not in raw:
+# A usage's input and output tokens: (input, output), each counted 0 when absent.
+Tokens = tuple[int, int]
+
+_DECODER = json.JSONDecoder()
+
+
+def usage_in(raw: bytes) -> Tokens | None:
+    """The input and output tokens a whole JSON answer says it used (``usage_of``); None
+    without a usage. Reads only the usage object: the last ``"usage"`` key (with its
+    quotes it cannot occur inside a JSON string, whose quotes are escaped), decoded from
+    the value after it. Every answer passes here (per-tenant accounting): a whole-body
+    parse would cost an answer's size."""
+    at = raw.rfind(b'"usage"')
+    if at < 0:
+        return None
+    start = raw.find(b"{", at)
+    if start < 0 or raw[at + 7 : start].strip() != b":":
         return None
     try:
-        answer = json.loads(raw)
+        usage, _ = _DECODER.raw_decode(raw[start:].decode("utf-8", "replace"))
     except ValueError:
         return None
-    if not isinstance(answer, dict):
-        return None
-    usage = answer.get("usage")
-    if usage is None and isinstance(answer.get("response"), dict):  # a Responses event
-        usage = answer["response"].get("usage")
-    if usage is None and isinstance(answer.get("message"), dict):  # Messages' first event
-        usage = answer["message"].get("usage")
-    return tokens_of_usage(usage)
+    return usage_of(usage)
 
 
-def tokens_of_usage(usage: object) -> int | None:
-    """``used_tokens_in`` for a usage object already parsed."""
+def usage_of(usage: object) -> Tokens | None:
+    """A usage object's input and output tokens: ``prompt_tokens`` and
+    ``completion_tokens`` (chat, completions; embeddings have no output), or
+    ``input_tokens`` and ``output_tokens`` (Responses, Anthropic's Messages), or a lone
+    ``total_tokens`` as input; None when it has none of them, or a value is not a count."""
     if not isinstance(usage, dict):
         return None
-    for names in (("total_tokens",), ("input_tokens", "output_tokens"), PROMPT_AND_COMPLETION):
-        values = [usage.get(name, 0) for name in names]
-        if any(name in usage for name in names) and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
-        ):
-            return sum(values)
+    for names in (("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens")):
+        if any(name in usage for name in names):
+            counts = [usage.get(name, 0) for name in names]
+            if all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+                return counts[0], counts[1]
+            return None
+    total = usage.get("total_tokens")
+    if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
+        return total, 0
     return None
-
-
-PROMPT_AND_COMPLETION = ("prompt_tokens", "completion_tokens")

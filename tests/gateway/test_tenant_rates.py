@@ -19,7 +19,7 @@ from gateway.auth import parse_api_keys
 from gateway.messages_hooks import MessagesScanner
 from gateway.responses_hooks import ResponsesScanner
 from gateway.tenant_rates import Limits, TenantRates, duration
-from gateway.usage import SSEScanner, used_tokens_in
+from gateway.usage import SSEScanner, usage_in
 from tests.conftest import RedisServer
 from tests.gateway.conftest import start_gateway, start_stub
 
@@ -32,6 +32,7 @@ KEYS = {
     "sk-burst": {"tenant": "burst", "rpm_limit": 30},
     "sk-shared": {"tenant": "shared", "rpm_limit": 4},
     "sk-free": {"tenant": "free"},
+    "sk-count": {"tenant": "count"},
 }
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
@@ -124,32 +125,47 @@ def test_the_keys_file_takes_positive_limits_one_per_tenant() -> None:
 
 
 def test_answers_say_the_tokens_they_used() -> None:
-    chat = json.dumps({"usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}})
-    assert used_tokens_in(chat.encode()) == 10
-    assert used_tokens_in(b'{"usage": {"input_tokens": 9, "output_tokens": 4}}') == 13
-    assert used_tokens_in(b'{"usage": {"prompt_tokens": 5}}') == 5  # embeddings, some servers
-    for none in (b'{"usage": null}', b"[]", b'{"usage": {"total_tokens": -1}}', b"{no json"):
-        assert used_tokens_in(none) is None
+    chat = {
+        "choices": [],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+    }
+    assert usage_in(json.dumps(chat).encode()) == (7, 3)
+    assert usage_in(b'{"usage": {"input_tokens": 9, "output_tokens": 4}}') == (9, 4)
+    assert usage_in(b'{"usage": {"prompt_tokens": 5, "total_tokens": 5}}') == (5, 0)  # embeddings
+    assert usage_in(b'{"usage": {"total_tokens": 6}}') == (6, 0)
+    # Only the usage is read: a "usage" in the text is escaped, and the last key wins.
+    text = {"choices": [{"text": 'say "usage": {"prompt_tokens": 99}'}], "usage": chat["usage"]}
+    assert usage_in(json.dumps(text).encode()) == (7, 3)
+    for none in (
+        b'{"usage": null}',
+        b"[]",
+        b'{"usage": {"total_tokens": -1}}',
+        b'{"usage": {"prompt_tokens": true}}',
+        b'{"usage": {"prompt_tokens": 3',
+        b'{"usage" {}}',
+    ):
+        assert usage_in(none) is None
 
     stream = SSEScanner()
     stream.feed(b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n')
     stream.feed(b'data: {"choices":[{"delta":{"content":"b"}}],"usage":null}\n\n')
-    assert (stream.outputs, stream.used_tokens) == (2, None)  # no usage: estimated from these
-    stream.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"total_tokens":5}}\n\n')
-    stream.feed(b"data: [DONE]\n\n")
-    assert (stream.outputs, stream.used_tokens) == (2, 5)
+    assert (stream.outputs, stream.usage) == (2, None)  # no usage: estimated from these
+    stream.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3,"total_tokens":5,')
+    stream.feed(b'"completion_tokens":2}}\n\ndata: [DONE]\n\n')
+    assert (stream.outputs, stream.usage) == (2, (3, 2))
 
     messages = MessagesScanner()
     start = {"type": "message_start", "message": {"usage": {"input_tokens": 8, "output_tokens": 1}}}
     delta = {"type": "message_delta", "delta": {}, "usage": {"output_tokens": 5}}
     for kind, data in (("message_start", start), ("message_delta", delta)):
         messages.feed(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
-    assert messages.used_tokens == 13
+    assert messages.usage == (8, 5)
 
     responses = ResponsesScanner()
-    done = {"type": "response.completed", "response": {"id": "r", "usage": {"total_tokens": 21}}}
+    usage = {"input_tokens": 15, "output_tokens": 6, "total_tokens": 21}
+    done = {"type": "response.completed", "response": {"id": "r", "usage": usage}}
     responses.feed(f"event: response.completed\ndata: {json.dumps(done)}\n\n".encode())
-    assert responses.used_tokens == 21
+    assert responses.usage == (15, 6)
 
 
 def test_gateways_sharing_a_redis_share_the_buckets(redis_server: RedisServer) -> None:
@@ -269,6 +285,34 @@ def test_tokens_used_are_charged_streamed_or_not(servers: Servers) -> None:
             remaining()
     assert refused.value.code == "tpm_limit"
     assert refused.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def _tenant_series(gateway_url: str, tenant: str) -> dict[str, float]:
+    text = httpx.get(gateway_url + "/metrics", timeout=10).text
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("prefixgate_gateway_tenant_") and f'tenant="{tenant}"' in line:
+            name, value = line.rsplit(" ", 1)
+            series[name] = float(value)
+    return series
+
+
+def test_each_tenants_use_is_counted_in_the_metrics(servers: Servers) -> None:
+    """A tenant without limits too: its requests and tokens, for chargeback."""
+    client = servers.client("sk-count")
+    client.chat.completions.create(model=MODEL, messages=CHAT)  # usage: 8 in, 4 out
+    with client.chat.completions.create(
+        model=MODEL, messages=CHAT, stream=True, stream_options={"include_usage": True}
+    ) as stream:
+        assert sum(1 for _ in stream) == 5  # the same, said in its last event
+    with client.chat.completions.create(model=MODEL, messages=CHAT, stream=True) as stream:
+        assert sum(1 for _ in stream) == 4  # no usage: 4 output events, the prompt counted
+    series = _tenant_series(servers.gateway.url, "count")
+    requests = 'prefixgate_gateway_tenant_requests_total{status="200",tenant="count"}'
+    assert series[requests] == 3
+    assert series['prefixgate_gateway_tenant_tokens_total{kind="output",tenant="count"}'] == 12
+    counted = series['prefixgate_gateway_tenant_tokens_total{kind="input",tenant="count"}'] - 16
+    assert 1 <= counted <= 64  # the gateway's count of a two-letter chat's prompt
 
 
 def test_gateways_sharing_a_redis_share_the_rpm(tmp_path: Path, redis_server: RedisServer) -> None:
