@@ -237,3 +237,17 @@ def test_vllm_manifests_validate_and_run_a_bridge_beside_each_engine() -> None:
     assert f".{service}." in env["PREFIXGATE_ADVERTISE_URL"]
     configmaps = {c["metadata"]["name"] for c in by_kind("ConfigMap")}
     assert containers["bridge"]["envFrom"][0]["configMapRef"]["name"] in configmaps
+
+
+def test_the_example_keys_secret_parses_as_the_gateway_reads_it() -> None:
+    """Its keys, and its commented trial key once uncommented (the fields an operator
+    copies from it)."""
+    from gateway.auth import parse_api_keys
+
+    (secret,) = by_kind("Secret")
+    text = secret["stringData"]["api-keys.yaml"]
+    assert {t.name for t in parse_api_keys(yaml.safe_load(text)).values()} == {"team-a", "team-b"}
+    trial = parse_api_keys(yaml.safe_load(text.replace("# sk-", "sk-")))
+    (tenant,) = [t for t in trial.values() if t.name == "trial"]
+    assert (tenant.rpm_limit, tenant.tpm_limit, tenant.max_parallel_requests) == (60, 20000, 4)
+    assert tenant.models == frozenset({"smollm2-135m"})
