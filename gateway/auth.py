@@ -44,14 +44,20 @@ tenant.
 ``rpm_limit: N`` and ``tpm_limit: N`` (LiteLLM's names) limit the tenant's requests and
 tokens per minute, over the gateways that share a Redis, else at each gateway; a 429 that
 says when to retry past them (gateway/tenant_rates.py). One value per tenant too.
+
+``expires: 2027-01-31T00:00:00Z`` (a key's own, LiteLLM's name) ends the key then: a 401
+``This API key has expired`` from that moment (UTC without a zone; a date alone is its
+midnight).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import yaml
@@ -71,6 +77,7 @@ class Tenant:
     rpm_limit: int | None = None  # requests per minute; None: no limit
     tpm_limit: int | None = None  # tokens per minute; None: no limit
     models: frozenset[str] | None = None  # the models it may call; None: every one
+    expires: float | None = None  # this key's end, seconds since the epoch; None: never
 
     @property
     def salt(self) -> str:
@@ -125,7 +132,8 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
             raise ValueError(f"API key {key[:6]}…: models is a list of model names")
         allowed = frozenset(models) if models else None  # [] as LiteLLM reads it: every one
         cap, rpm, tpm = limits
-        tenants[key] = Tenant(name, salt, shared, admin, priority, cap, rpm, tpm, allowed)
+        expires = _expiry(key, spec.get("expires"))
+        tenants[key] = Tenant(name, salt, shared, admin, priority, cap, rpm, tpm, allowed, expires)
     for field_name in (*TENANT_COUNTS, "models"):
         seen: dict[str, object] = {}
         for tenant in tenants.values():
@@ -136,6 +144,26 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
                     "per tenant)"
                 )
     return tenants
+
+
+def _expiry(key: str, value: object) -> float | None:
+    """A key's ``expires``: a date and time (YAML reads one unquoted as such) or an ISO
+    8601 string; without a zone it is UTC."""
+    if value is None:
+        return None
+    when = value
+    if isinstance(value, str):
+        try:
+            when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            when = None
+    elif isinstance(value, date) and not isinstance(value, datetime):
+        when = datetime(value.year, value.month, value.day)
+    if not isinstance(when, datetime):
+        raise ValueError(f"API key {key[:6]}…: expires is a date and time (2027-01-31T00:00:00Z)")
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 def load_api_keys(path: Path) -> dict[str, Tenant]:
@@ -195,6 +223,8 @@ class Authenticator:
         tenant = self._by_digest.get(_digest(authorization[7:].strip()))
         if tenant is None:
             raise _unauthorized("Incorrect API key provided.")
+        if tenant.expires is not None and time.time() >= tenant.expires:
+            raise _unauthorized("This API key has expired.")
         return tenant
 
     def authenticate_request(self, headers: dict[str, str]) -> Tenant:
