@@ -41,10 +41,11 @@ REDIS_PREFIX = "prefixgate:tenant_rate:"
 KEY_TTL_S = 120  # a bucket untouched for this long is full again: Redis may drop it
 MINUTE_S = 60.0
 
-# KEYS[1] the tenant's hash; ARGV rpm, tpm (0: none), charge (tokens; 0: admit a request).
-# Returns 0 when admitted, else the limit that refuses it (the one a retry must wait
-# longer for: 1 requests, 2 tokens); the milliseconds until a request would be admitted;
-# the requests and tokens left (floored); the milliseconds until both buckets are full.
+# KEYS[1] the tenant's hash; ARGV rpm, tpm (0: none), charge (tokens; 0: admit a request),
+# the hash's time to live. Returns 1 when admitted (0 refused; 1 for a charge), and the
+# two buckets' levels in thousandths, after the request or charge (Redis turns a Lua
+# number into an integer). The rule is ``admissible``'s, in Python, for the buckets kept
+# here: the two must agree.
 SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -53,24 +54,18 @@ local v = redis.call('HMGET', KEYS[1], 'r', 'k', 't')
 local dt = math.max(0, now - (tonumber(v[3]) or now))
 local r = math.min(rpm, (tonumber(v[1]) or rpm) + dt * rpm / 60)
 local k = math.min(tpm, (tonumber(v[2]) or tpm) + dt * tpm / 60)
-local by, wait = 0, 0
+local ok = 1
 if charge > 0 then
   k = math.max(-tpm, k - charge)
-else
-  if rpm > 0 and r < 1 then by = 1; wait = (1 - r) * 60 / rpm end
-  if tpm > 0 and k < 1 and (1 - k) * 60 / tpm > wait then by = 2; wait = (1 - k) * 60 / tpm end
-  if by == 0 and rpm > 0 then r = r - 1 end
+elseif (rpm > 0 and r < 1) or (tpm > 0 and k < 1) then
+  ok = 0
+elseif rpm > 0 then
+  r = r - 1
 end
 redis.call('HSET', KEYS[1], 'r', tostring(r), 'k', tostring(k), 't', tostring(now))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-local full = 0
-if rpm > 0 then full = (rpm - r) * 60 / rpm end
-if tpm > 0 then full = math.max(full, (tpm - k) * 60 / tpm) end
-return {by, math.ceil(wait * 1000), math.floor(r), math.floor(k), math.ceil(full * 1000)}
+return {ok, math.floor(r * 1000), math.floor(k * 1000)}
 """
-
-
-REFUSED_BY = ("", "requests", "tokens")  # SCRIPT's first answer
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,10 +129,8 @@ class TenantRates(BackedOffRedis):
                 self._failed(exc)
             else:
                 self._answered()
-                by, wait_ms, requests, tokens, full_ms = (int(x) for x in reply)
-                return _verdict(
-                    limits, REFUSED_BY[by], wait_ms / 1e3, requests, tokens, full_ms / 1e3
-                )
+                ok, requests, tokens = (int(x) for x in reply)
+                return verdict(limits, bool(ok), requests / 1e3, tokens / 1e3)
         return self._admit_here(tenant, limits)
 
     def charge(self, tenant: str, tokens: int) -> None:
@@ -170,26 +163,10 @@ class TenantRates(BackedOffRedis):
 
     def _admit_here(self, tenant: str, limits: Limits) -> Verdict:
         bucket = self._refilled(tenant, limits)
-        by, wait = "", 0.0
-        if limits.rpm and bucket.requests < 1:
-            by, wait = "requests", (1 - bucket.requests) * MINUTE_S / limits.rpm
-        if limits.tpm and bucket.tokens < 1 and (1 - bucket.tokens) * MINUTE_S / limits.tpm > wait:
-            by, wait = "tokens", (1 - bucket.tokens) * MINUTE_S / limits.tpm
-        if not by and limits.rpm:
+        ok = admissible(limits, bucket.requests, bucket.tokens)
+        if ok and limits.rpm:
             bucket.requests -= 1
-        full = 0.0
-        if limits.rpm:
-            full = (limits.rpm - bucket.requests) * MINUTE_S / limits.rpm
-        if limits.tpm:
-            full = max(full, (limits.tpm - bucket.tokens) * MINUTE_S / limits.tpm)
-        return _verdict(
-            limits,
-            by,
-            wait,
-            math.floor(bucket.requests),
-            math.floor(bucket.tokens),
-            full,
-        )
+        return verdict(limits, ok, bucket.requests, bucket.tokens)
 
     def _refilled(self, tenant: str, limits: Limits) -> Bucket:
         rpm, tpm = limits.rpm or 0, limits.tpm or 0
@@ -212,25 +189,31 @@ class TenantRates(BackedOffRedis):
         await self._close_client()
 
 
-def _verdict(
-    limits: Limits, refused_by: str, wait_s: float, requests: int, tokens: int, full_s: float
-) -> Verdict:
-    reset = duration(full_s).encode()
+def admissible(limits: Limits, requests: float, tokens: float) -> bool:
+    """A request passes while each limited bucket holds one (SCRIPT's rule too)."""
+    return not ((limits.rpm and requests < 1) or (limits.tpm and tokens < 1))
+
+
+def verdict(limits: Limits, admitted: bool, requests: float, tokens: float) -> Verdict:
+    """The answer's verdict and headers from the buckets' levels after the request: what
+    is left, when each bucket is full again and, refused, when a retry passes (the
+    bucket a retry waits longer for names the limit)."""
     headers: list[tuple[bytes, bytes]] = []
-    if limits.rpm is not None:
+    waits: list[tuple[float, str]] = []
+    for limit, level, kind in ((limits.rpm, requests, "requests"), (limits.tpm, tokens, "tokens")):
+        if limit is None:
+            continue
+        per_s = limit / MINUTE_S
         headers += [
-            (b"x-ratelimit-limit-requests", str(limits.rpm).encode()),
-            (b"x-ratelimit-remaining-requests", str(max(0, requests)).encode()),
-            (b"x-ratelimit-reset-requests", reset),
+            (f"x-ratelimit-limit-{kind}".encode(), str(limit).encode()),
+            (f"x-ratelimit-remaining-{kind}".encode(), str(max(0, math.floor(level))).encode()),
+            (f"x-ratelimit-reset-{kind}".encode(), duration((limit - level) / per_s).encode()),
         ]
-    if limits.tpm is not None:
-        headers += [
-            (b"x-ratelimit-limit-tokens", str(limits.tpm).encode()),
-            (b"x-ratelimit-remaining-tokens", str(max(0, tokens)).encode()),
-            (b"x-ratelimit-reset-tokens", reset),
-        ]
-    if not refused_by:
+        if level < 1:
+            waits.append(((1 - level) / per_s, kind))
+    if admitted:
         return Verdict(True, headers=tuple(headers))
+    wait_s, refused_by = max(waits)
     headers += [
         (b"retry-after", str(max(1, math.ceil(wait_s))).encode()),
         (b"retry-after-ms", str(max(1, math.ceil(wait_s * 1e3))).encode()),
