@@ -10,8 +10,9 @@ asked again in the background until it does.
 A replica may serve more than one name, and clients send any of them: vLLM lists every
 ``--served-model-name`` (aliases of one model, one cache) and every LoRA adapter (a card
 with a ``parent``: keys of its own, as the bridge publishes its blocks). Every replica's
-``/v1/models`` is read when it appears and every ``NAMES_REFRESH_S`` after (adapters can
-be loaded at run time), into ``ReplicaView.names``.
+``/v1/models`` is read when it first answers a probe, before it is reported healthy, and
+every ``NAMES_REFRESH_S`` after (adapters can be loaded at run time), into
+``ReplicaView.names``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,17 @@ async def probe_all(state: GatewayState) -> None:
         del state.pause_unasked[gone]  # a replica no longer listed
     answers = await asyncio.gather(*(paused_once(state, url, timeout) for url in urls))
     pauses = dict(zip(urls, answers, strict=True))
+    # A replica answering for the first time is routed with every name it serves, not
+    # only its model: its list (aliases, adapters) is read in this round, before it is
+    # reported healthy. Else a client naming an alias right after start got a 404 until
+    # the next read.
+    unread = {
+        v.replica_id
+        for v, ok in zip(views, results, strict=True)
+        if ok and v.replica_id not in state.names_read
+    }
+    if unread:
+        await refresh_names(state, state.names_read, among=unread)
     for view, ok in zip(views, results, strict=True):
         if view.replica_id not in state.router.replicas:  # removed meanwhile
             continue
@@ -208,22 +220,26 @@ async def fetch_models(state: GatewayState, url: str) -> Served | None:
 
 async def names_loop(state: GatewayState) -> None:
     """Keep every replica's other served names (``ReplicaView.names``) current."""
-    fetched_at: dict[str, float] = {}
     while True:
         await asyncio.sleep(state.config.probe_interval_s)
         try:
-            await refresh_names(state, fetched_at)
+            await refresh_names(state, state.names_read)
         except Exception:  # a bug here must not end the upkeep
             log.exception("reading the replicas' model lists failed")
 
 
-async def refresh_names(state: GatewayState, fetched_at: dict[str, float]) -> None:
-    """Read ``/v1/models`` of the replicas not read within ``NAMES_REFRESH_S``."""
+async def refresh_names(
+    state: GatewayState, fetched_at: dict[str, float], among: set[str] | None = None
+) -> None:
+    """Read ``/v1/models`` of the replicas (``among`` these ids) not read within
+    ``NAMES_REFRESH_S`` (as ``fetched_at`` says; updated)."""
     now = time.monotonic()
     due = [
         v
         for v in state.router.replicas.values()
-        if v.model and now - fetched_at.get(v.replica_id, -NAMES_REFRESH_S) >= NAMES_REFRESH_S
+        if v.model
+        and (among is None or v.replica_id in among)
+        and now - fetched_at.get(v.replica_id, -NAMES_REFRESH_S) >= NAMES_REFRESH_S
     ]
     found = await asyncio.gather(*(fetch_models(state, v.url) for v in due))
     for view, served in zip(due, found, strict=True):
@@ -258,6 +274,7 @@ async def add_static_replicas(state: GatewayState) -> list[str]:
         if served is not None:
             state.router.set_names(static_replica_id(url), served.names)
             state.cards[static_replica_id(url)] = served.cards
+            state.names_read[static_replica_id(url)] = time.monotonic()
     return pending
 
 

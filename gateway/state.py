@@ -57,6 +57,8 @@ class GatewayState:
     upstream_tls: TLSFiles | None = None  # the --upstream-* files, reloaded when they change
     # replica id -> name -> the card it lists for that name (gateway/probes.py, CARD_FIELDS)
     cards: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    # replica id -> when its /v1/models was last read (time.monotonic(); probes.py)
+    names_read: dict[str, float] = field(default_factory=dict)
     # Requests being forwarded, by the ids they may be aborted by (gateway/abortable.py):
     # vLLM's token API's (gateway/tokens_api.py), SGLang's /generate's (gateway/generate.py)
     generating: Abortable = field(default_factory=Abortable)

@@ -60,7 +60,8 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
         "topic": "",
     }
     cmd = [args.engine_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    cmd += ["--model", str(engine_model_path(args.model)), "--served-model-name", args.model]
+    served = args.served_model_name or [args.model]
+    cmd += ["--model", str(engine_model_path(args.model)), "--served-model-name", *served]
     cmd += ["--host", args.host, "--port", str(ports.http)]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     cmd += ["--kv-events-config", json.dumps(events)]
@@ -90,7 +91,8 @@ def bridge_command(
     cmd += ["--replay", f"tcp://{host}:{ports.replay}"]
     if data_parallel_rank is not None:
         cmd += ["--data-parallel-rank", str(data_parallel_rank)]
-    cmd += ["--redis-url", redis_url, "--model", args.model, "--tokenizer", args.model]
+    served = args.served_model_name[0] if args.served_model_name else args.model
+    cmd += ["--redis-url", redis_url, "--model", served, "--tokenizer", args.model]
     if args.chat_template is not None:  # the engine renders with it: so must the parity check
         cmd += ["--chat-template", str(args.chat_template)]
     return cmd

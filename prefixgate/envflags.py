@@ -61,11 +61,10 @@ def add_env_list_flag(
     """Repeatable ``--name``; without it on the command line, the comma-separated items
     of ``PREFIXGATE_NAME`` (none when unset). The parsed value is always a list."""
     var = env_var(name)
-    items = [item.strip() for item in os.environ.get(var, "").split(",") if item.strip()]
     return parser.add_argument(
         f"--{name}",
         action=_ReplacingAppend,
-        default=items,
+        default=env_list(name),
         metavar=metavar,
         help=f"{help} (repeatable; env {var}, comma-separated)".lstrip(),
     )
@@ -113,3 +112,8 @@ def api_key_value(flag: str, value: str | None) -> str | None:
     if not (value.isascii() and value.isprintable()) or value != value.strip():
         raise ValueError(f"--{flag}: printable ASCII only, no surrounding spaces")
     return value
+
+
+def env_list(name: str) -> list[str]:
+    """The comma-separated items of ``PREFIXGATE_NAME`` (none when unset)."""
+    return [item.strip() for item in os.environ.get(env_var(name), "").split(",") if item.strip()]

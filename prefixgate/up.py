@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from prefixgate.engines import ENGINES, EnginePorts, bridge_command, engine_env, vllm_command
-from prefixgate.envflags import add_env_flag
+from prefixgate.envflags import add_env_flag, env_list
 from prefixgate.models import DEFAULT_MODEL, SIM_MODEL, model_dir
 from prefixgate.procs import ChildDied, start_redis
 from prefixgate.stack import PIDS_FILE, Child, Stack, pick_ports, report_death, write_whole
@@ -65,6 +65,8 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
 def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: str) -> list[str]:
     url = f"http://{connect_host(args.host)}:{port}"
     cmd = [sys.executable, "-m", "prefixgate", "replica", "--model", args.model]
+    if args.served_model_name:
+        cmd += ["--served-model-name", *args.served_model_name]
     cmd += ["--host", args.host, "--port", str(port)]
     cmd += ["--device", replica_device(args.device, index)]
     # No --replica-id: the replica then names itself by its address (host:port), the same
@@ -87,6 +89,8 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
 
 def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url: str) -> list[str]:
     cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", args.model]
+    if args.served_model_name:  # names the gateway cannot look up: tokenized as the model
+        cmd = [*cmd[:-1], args.served_model_name[0], "--tokenizer", args.model]
     cmd += ["--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
     for url in replica_urls:
         cmd += ["--replica", url]
@@ -237,6 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model every replica serves: {DEFAULT_MODEL} (default), tiny-random, "
         f"a local Hugging Face model folder, or {SIM_MODEL} (the simulated engine: a GPU "
         "cost model in place of the forward pass, torch-free, dozens per machine)",
+    )
+    add(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        default=env_list("served-model-name"),
+        help="the model names clients send (the replicas' --served-model-name): a client "
+        "that asks for gpt-4o-mini is served with `--served-model-name smollm2-135m "
+        "gpt-4o-mini`; the first names answers (env PREFIXGATE_SERVED_MODEL_NAME, "
+        "comma-separated; default: --model)",
     )
     add_env_flag(
         p,

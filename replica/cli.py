@@ -20,7 +20,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from prefixgate.envflags import add_env_flag
+from prefixgate.envflags import add_env_flag, env_list
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from prefixgate.open_files import prepare_open_files
@@ -74,7 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="builtin model name, local HF folder, or sim (the simulated engine: "
         "a GPU cost model instead of the forward pass, torch-free; --sim-profile)",
     )
-    add_env_flag(p, "served-model-name", help="model name clients send (default: --model)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        default=env_list("served-model-name"),
+        help="the model names clients send, as vLLM's: several are aliases of one model (one "
+        "cache); answers and the cache's keys use the first (env "
+        "PREFIXGATE_SERVED_MODEL_NAME, comma-separated; default: --model)",
+    )
     add_env_flag(p, "host", default="127.0.0.1", help="interface to bind")
     add_env_flag(p, "port", type=int, default=8101, help="port to bind")
     add_env_flag(p, "device", default="cpu", help="cpu or cuda:N")
@@ -185,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"
 
-    served_name = args.served_model_name or args.model
+    served_name, *aliases = args.served_model_name or [args.model]
     loaded: Any  # replica.models.LoadedModel, or the simulated engine's SimModel
     backend = None
     if args.model == SIM_MODEL:  # torch-free: the forward pass is a cost model
@@ -256,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         chats=SegmentCache(loaded.tokenizer),
         tool_call_parser=args.tool_call_parser,
         responses=ResponseStore(max_bytes=int(args.response_store_mb * 1024 * 1024)),
+        aliases=tuple(dict.fromkeys(a for a in aliases if a != served_name)),
     )
     app = Guard(create_app(replica), guard)
     config = uvicorn.Config(

@@ -40,6 +40,9 @@ class Replica:
     tools_ignored_warned: set[str] = field(default_factory=set)
     # Responses API: stored responses (previous_response_id, GET/DELETE by id).
     responses: ResponseStore = field(default_factory=ResponseStore)
+    # The other names of --served-model-name: requests may name the model by any of them
+    # (vLLM's aliases), served from the one cache.
+    aliases: tuple[str, ...] = ()
     # Structured output's compiled grammars (replica.grammar), made at the first request
     # that asks for one.
     _grammars: Grammars | None = None
@@ -54,7 +57,7 @@ class Replica:
 
     @property
     def model_ids(self) -> list[str]:
-        names = [self.served_model_name]
-        if self.loaded.name != self.served_model_name:
+        names = [self.served_model_name, *self.aliases]
+        if self.loaded.name not in names:
             names.append(self.loaded.name)
         return names

@@ -39,6 +39,15 @@ def test_engine_and_bridge_commands_fit_each_other() -> None:
     assert config.kv_events == "tcp://127.0.0.1:5557" and config.replay == "tcp://127.0.0.1:5558"
     assert config.engine_url == "http://127.0.0.1:8101" and config.model == "tiny-random"
     assert engine_env(args, 1, {})["CUDA_VISIBLE_DEVICES"] == "1"
+    # Aliases: every name to vLLM; the bridge registers the engine under the first.
+    args = up.parse_args(
+        ["--engine", "vllm", "--model", "tiny-random", "--served-model-name", "mine", "gpt-4o"]
+    )
+    cmd = vllm_command(args, ports)
+    at = cmd.index("--served-model-name")
+    assert cmd[at + 1 : at + 3] == ["mine", "gpt-4o"] and cmd[at + 3].startswith("--")
+    config = bridge_args(bridge_command(args, ports, "127.0.0.1", "redis://r:6379/0")[4:])
+    assert (config.model, config.tokenizer) == ("mine", "tiny-random")
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
