@@ -215,6 +215,17 @@ def test_a_signal_ends_supervision_cleanly(stack: Stack) -> None:
     assert stack.stop_signal == "SIGTERM"
 
 
+def stop_up(proc: subprocess.Popen[bytes], out_path: Path, listed: list[Listed]) -> None:
+    """SIGTERM a ``prefixgate up`` still running: it must exit 0 (its output in the
+    failure) and leave none of ``listed`` running."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    assert code == 0, out_path.read_text()
+    for child in listed:
+        assert not group_alive(child.pid), f"{child.name} (pid {child.pid}) outlived up"
+
+
 def while_running(done: Callable[[], bool], proc: subprocess.Popen[bytes]) -> Callable[[], bool]:
     """``done`` as a probe for ``wait_until`` that fails at once if ``proc`` has exited."""
 

@@ -3,7 +3,6 @@ command parses with the real replica parser; a sim cluster's replicas report the
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from prefixgate import up
 from prefixgate.procs import free_port
 from tests.conftest import wait_until
-from tests.deploy.test_up import group_alive, read_pids, up_command, while_running
+from tests.deploy.test_up import Listed, read_pids, stop_up, up_command, while_running
 
 
 def test_the_flag_reaches_every_replica_command() -> None:
@@ -47,7 +46,7 @@ def test_a_sim_cluster_runs_with_a_host_tier_on_every_replica(tmp_path: Path) ->
     cmd += ["--sim-profile", "llama3.1-8b-a100", "--num-blocks", "64", "--host-cache-mb", "96"]
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    listed = []
+    listed: list[Listed] = []
     try:
         wait_until(while_running((run_dir / "ready").exists, proc), 120, "run_dir/ready")
         listed = read_pids(run_dir)
@@ -58,9 +57,4 @@ def test_a_sim_cluster_runs_with_a_host_tier_on_every_replica(tmp_path: Path) ->
             assert stats["total_blocks"] == 64
             assert stats["host_total_blocks"] == 48  # 96 MiB of 2 MiB blocks
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-    assert code == 0, out_path.read_text()
-    for child in listed:
-        assert not group_alive(child.pid), f"{child.name} (pid {child.pid}) outlived up"
+        stop_up(proc, out_path, listed)

@@ -4,7 +4,6 @@ stack does not run by that name (``gpt-4o-mini``) is served, as vLLM serves its
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from openai import OpenAI
 from prefixgate import up
 from prefixgate.procs import free_port
 from tests.conftest import wait_until
-from tests.deploy.test_up import SYSTEM, group_alive, read_pids, up_command, while_running
+from tests.deploy.test_up import SYSTEM, Listed, read_pids, stop_up, up_command, while_running
 
 
 def test_an_alias_is_served_from_the_models_cache(tmp_path: Path) -> None:
@@ -25,7 +24,7 @@ def test_an_alias_is_served_from_the_models_cache(tmp_path: Path) -> None:
     cmd += ["--served-model-name", "team-model", "gpt-4o-mini"]
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    listed = []
+    listed: list[Listed] = []
     try:
         wait_until(while_running((run_dir / "ready").exists, proc), 120, "run_dir/ready")
         listed = read_pids(run_dir)
@@ -54,12 +53,7 @@ def test_an_alias_is_served_from_the_models_cache(tmp_path: Path) -> None:
         assert len({replica for replica, _ in seen}) == 1
         assert all(cached and cached > 0 for _, cached in seen[1:]), seen
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-    assert code == 0, out_path.read_text()
-    for child in listed:
-        assert not group_alive(child.pid), f"{child.name} (pid {child.pid}) outlived up"
+        stop_up(proc, out_path, listed)
 
 
 def test_the_names_reach_the_replicas_and_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:

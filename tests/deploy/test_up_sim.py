@@ -4,7 +4,6 @@ and reporting cached prompt tokens on a repeated prompt."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from openai import OpenAI
 
 from prefixgate.procs import free_port
 from tests.conftest import wait_until
-from tests.deploy.test_up import SYSTEM, group_alive, read_pids, up_command, while_running
+from tests.deploy.test_up import SYSTEM, Listed, read_pids, stop_up, up_command, while_running
 
 REPLICAS = 16
 
@@ -25,7 +24,7 @@ def test_sixteen_sim_replicas_behind_the_gateway_serve_and_cache(tmp_path: Path)
     cmd += ["--sim-profile", "llama3.1-8b-a100", "--kv-cache-mb", "512"]
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    listed = []
+    listed: list[Listed] = []
     try:
         wait_until(while_running((run_dir / "ready").exists, proc), 120, "run_dir/ready")
         listed = read_pids(run_dir)
@@ -52,9 +51,4 @@ def test_sixteen_sim_replicas_behind_the_gateway_serve_and_cache(tmp_path: Path)
         assert second == first and cached is not None and cached > 0
         assert "llama3.1-8b-a100" in (run_dir / "replica-0.log").read_text()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-    assert code == 0, out_path.read_text()
-    for child in listed:
-        assert not group_alive(child.pid), f"{child.name} (pid {child.pid}) outlived up"
+        stop_up(proc, out_path, listed)
