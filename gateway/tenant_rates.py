@@ -5,9 +5,9 @@ Each limit is a bucket of one minute's worth, refilled at the limit per minute
 (``limit / 60`` a second, never past the limit). A request is admitted while the request
 bucket holds one request and the token bucket one token; admitting takes one request.
 Its tokens are not known until its answer, so they are charged then (``charge``): the
-answer's ``usage`` (``total_tokens``, or ``input_tokens + output_tokens`` for Anthropic's
-Messages), or, for a stream that reports none, the gateway's count of the prompt and one
-token per streamed output event (vLLM and SGLang stream one token an event by default).
+input and output tokens of the answer's ``usage`` (gateway/usage.py), or, for a stream
+that reports none, the gateway's count of the prompt and one token per streamed output
+event (vLLM and SGLang stream one token an event by default; vLLM sometimes merges two).
 The token bucket may go below zero, down to one minute's worth, so that a long answer
 holds its tenant back until its tokens are paid for, and one huge request at most a
 minute. A tenant may so burst one minute's worth, and then goes at the limit's rate, as
@@ -52,17 +52,25 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local rpm, tpm, charge = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local v = redis.call('HMGET', KEYS[1], 'r', 'k', 't')
 local dt = math.max(0, now - (tonumber(v[3]) or now))
-local r = math.min(rpm, (tonumber(v[1]) or rpm) + dt * rpm / 60)
-local k = math.min(tpm, (tonumber(v[2]) or tpm) + dt * tpm / 60)
+local r, k = 0, 0
+if rpm > 0 then r = math.min(rpm, (tonumber(v[1]) or rpm) + dt * rpm / 60) end
+if tpm > 0 then k = math.min(tpm, (tonumber(v[2]) or tpm) + dt * tpm / 60) end
 local ok = 1
 if charge > 0 then
-  k = math.max(-tpm, k - charge)
+  if tpm > 0 then k = math.max(-tpm, k - charge) end
 elseif (rpm > 0 and r < 1) or (tpm > 0 and k < 1) then
   ok = 0
 elseif rpm > 0 then
   r = r - 1
 end
-redis.call('HSET', KEYS[1], 'r', tostring(r), 'k', tostring(k), 't', tostring(now))
+-- A bucket without its limit is not kept: given one later (the keys file), it starts full.
+local function keep(field, limit, level)
+  if limit > 0 then redis.call('HSET', KEYS[1], field, tostring(level))
+  else redis.call('HDEL', KEYS[1], field) end
+end
+keep('r', rpm, r)
+keep('k', tpm, k)
+redis.call('HSET', KEYS[1], 't', tostring(now))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
 return {ok, math.floor(r * 1000), math.floor(k * 1000)}
 """
@@ -87,7 +95,8 @@ class Verdict:
 
 @dataclass(slots=True)
 class Bucket:
-    """A tenant's two buckets at this gateway (no Redis, or Redis failing)."""
+    """A tenant's two buckets at this gateway (no Redis, or Redis failing); a level is
+    infinite while its limit is not set."""
 
     requests: float
     tokens: float
@@ -169,15 +178,13 @@ class TenantRates(BackedOffRedis):
         return verdict(limits, ok, bucket.requests, bucket.tokens)
 
     def _refilled(self, tenant: str, limits: Limits) -> Bucket:
-        rpm, tpm = limits.rpm or 0, limits.tpm or 0
         now = self.monotonic()
         bucket = self.local.get(tenant)
         if bucket is None:
-            bucket = self.local[tenant] = Bucket(rpm, tpm, now)
-            return bucket
+            bucket = self.local[tenant] = Bucket(math.inf, math.inf, now)
         elapsed = max(0.0, now - bucket.at)
-        bucket.requests = min(rpm, bucket.requests + elapsed * rpm / MINUTE_S)
-        bucket.tokens = min(tpm, bucket.tokens + elapsed * tpm / MINUTE_S)
+        bucket.requests = _refill(limits.rpm, bucket.requests, elapsed)
+        bucket.tokens = _refill(limits.tpm, bucket.tokens, elapsed)
         bucket.at = now
         return bucket
 
@@ -187,6 +194,14 @@ class TenantRates(BackedOffRedis):
     async def aclose(self) -> None:
         await asyncio.gather(*self.charges, return_exceptions=True)
         await self._close_client()
+
+
+def _refill(limit: int | None, level: float, elapsed_s: float) -> float:
+    """A bucket's level ``elapsed_s`` later; without its limit it is full (infinite), so
+    that a limit given later (the keys file) starts full, as in SCRIPT."""
+    if limit is None:
+        return math.inf
+    return min(limit, level + elapsed_s * limit / MINUTE_S)
 
 
 def admissible(limits: Limits, requests: float, tokens: float) -> bool:

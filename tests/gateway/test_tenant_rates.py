@@ -101,6 +101,15 @@ def test_both_limits_refuse_on_the_one_that_is_spent() -> None:
     assert _header(refused.headers, "x-ratelimit-reset-tokens") == "1m30s"
 
 
+def test_a_limit_given_later_starts_full() -> None:
+    """The keys file may give a tenant a limit it did not have (gateway/keys_file.py)."""
+    clock = Clock()
+    rates = TenantRates(limits={"t": Limits(tpm=100)}, monotonic=clock)
+    assert all(asyncio.run(rates.admit("t")).admitted for _ in range(5))
+    rates.limits = {"t": Limits(rpm=3, tpm=100)}
+    assert [asyncio.run(rates.admit("t")).admitted for _ in range(4)] == [True] * 3 + [False]
+
+
 def test_reset_times_read_as_openais() -> None:
     assert [duration(s) for s in (0.0, 0.02, 1.5, 59.0, 90.0, 360.0)] == [
         "0ms",
@@ -184,6 +193,12 @@ def test_gateways_sharing_a_redis_share_the_buckets(redis_server: RedisServer) -
             assert (refused.admitted, refused.refused_by) == (False, "tokens")
             assert refused.wait_s == pytest.approx(101 * 60 / 100, abs=1)
             assert not first.local and not second.local  # all kept in Redis
+            # A limit given later starts full in Redis too.
+            first.limits = {"u": Limits(tpm=100)}
+            assert all([(await first.admit("u")).admitted for _ in range(5)])
+            first.limits = {"u": Limits(rpm=2, tpm=100)}
+            later = [(await first.admit("u")).admitted for _ in range(3)]
+            assert later == [True, True, False]
             redis_server.stop()  # Redis gone: each gateway goes on with buckets of its own
             assert (await second.admit("t")).admitted
             assert second.local.keys() == {"t"}
