@@ -232,7 +232,8 @@ async def watch_keys(state: GatewayState, keys_file: KeysFile) -> None:
     the next request on (gateway/keys_file.py)."""
     while True:
         await asyncio.sleep(KEYS_REFRESH_S)  # the check period
-        auth = keys_file.check()
+        # In a thread: parsing thousands of keys must not stall the streams being served.
+        auth = await asyncio.to_thread(keys_file.check)
         if auth is not None:
             state.auth = auth
             state.tenant_caps.caps = auth.caps
