@@ -35,6 +35,7 @@ from gateway.audio import AUDIO_PATHS, serve_audio
 from gateway.auth import Authenticator, Tenant, load_api_keys
 from gateway.cache_reset import reset_prefix_caches
 from gateway.config import GatewayConfig
+from gateway.engine_control import CONTROL_PATHS, serve_engine_control
 from gateway.generate import ABORT_PATH as SGLANG_ABORT_PATH
 from gateway.generate import PATH as GENERATE_PATH
 from gateway.generate import serve_abort, serve_generate
@@ -100,6 +101,8 @@ class GatewayApp:
             await serve_adapters(self.state, scope, receive, send)
         elif scope["type"] == "http" and is_sagemaker_adapters_path(scope["path"]):
             await serve_sagemaker_adapters(self.state, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in CONTROL_PATHS:
+            await serve_engine_control(self.state, scope, receive, send)
         elif scope["type"] == "http" and is_responses_path(scope["path"]):
             await serve_responses(self.state, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] == GENERATE_PATH:

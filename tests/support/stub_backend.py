@@ -52,6 +52,8 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 # remembered and answered with their path.
 ECHOED = ("/v1/chat/completions/batch", "/generative_scoring", "/v1/systemone", "/invocations")
 PAUSE_PATHS = {("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused")}
+# vLLM's sleep mode, as the stub plays it: asleep is paused (vLLM's /is_paused says so too)
+SLEEP_PATHS = {("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")}
 RESETS = {
     ("/reset_prefix_cache", "vllm"): (200, b'{"success":true}'),
     ("/reset_prefix_cache", "vllm-busy"): (200, b'{"success":false}'),
@@ -79,7 +81,8 @@ class StubConfig:
     api_key: str | None = None
     retry_after: str | None = None  # a Retry-After header on failures
     reset: str = "none"  # which engine's prefix-cache reset it serves (RESETS)
-    pausable: bool = False  # serves vLLM's /pause, /resume and /is_paused (its dev mode)
+    # serves vLLM's /pause, /resume, /is_paused, /sleep, /wake_up, /is_sleeping (dev mode)
+    pausable: bool = False
 
 
 @dataclass(slots=True)
@@ -133,6 +136,17 @@ class StubBackend:
                 self.running.set()
             paused = not self.running.is_set()
             await _send(send, 200, json.dumps({"is_paused": paused}).encode())
+        elif self.config.pausable and (method, path) in SLEEP_PATHS:
+            self._remember({"path": path, "query": scope.get("query_string", b"").decode()})
+            if path == "/sleep":
+                self.running.clear()
+                await _send(send, 200, json.dumps({"status": "sleeping", "level": 1}).encode())
+            elif path == "/wake_up":
+                self.running.set()
+                await _send(send, 200, json.dumps({"status": "awake", "tags": None}).encode())
+            else:
+                asleep = not self.running.is_set()
+                await _send(send, 200, json.dumps({"is_sleeping": asleep}).encode())
         elif method == "GET" and path == "/stub/requests":
             await _send(send, 200, json.dumps(list(self.requests)).encode())
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
