@@ -150,7 +150,7 @@ async def _fan_out(
     sent = {"content-type": "application/json"}
     if (authorization := state.upstream_authorization(headers)) is not None:
         sent["authorization"] = authorization  # a keyed engine's (state.py)
-    answers = await asyncio.gather(*(_send_one(state, url, path, raw, sent) for url in urls))
+    answers = await asyncio.gather(*(send_to_replica(state, url + path, raw, sent) for url in urls))
     await refresh_names(state, {})  # every replica's list, now: the name routes at once
     failed = [(url, a) for url, a in zip(urls, answers, strict=True) if a[0] != 200]
     if not failed:
@@ -167,13 +167,14 @@ async def _fan_out(
     await send_json(send, status if 400 <= status < 600 else 502, body, ex)
 
 
-async def _send_one(
-    state: GatewayState, url: str, path: str, body: bytes, headers: dict[str, str]
+async def send_to_replica(
+    state: GatewayState, url: str, body: bytes, headers: dict[str, str], method: str = "POST"
 ) -> tuple[int, str]:
-    """One replica's (status, answer text); 502 and the reason when it gave none."""
+    """One replica's (status, answer text) to an operation sent to every replica (also
+    gateway/engine_control.py); 502 and the reason when it gave none."""
     try:
-        response = await state.client.post(
-            url + path, content=body, headers=headers, timeout=state.config.upstream_timeout_s
+        response = await state.client.request(
+            method, url, content=body, headers=headers, timeout=state.config.upstream_timeout_s
         )
     except httpx.HTTPError as exc:
         return 502, f"no answer: {type(exc).__name__}"

@@ -23,9 +23,9 @@ import asyncio
 import json
 from typing import Any
 
-import httpx
 from starlette.types import Receive, Scope, Send
 
+from gateway.adapters import send_to_replica
 from gateway.exchange import Exchange
 from gateway.handler import answer, open_exchange, read_body
 from gateway.probes import probe_all
@@ -84,7 +84,9 @@ async def _serve(
     sent = {}
     if (authorization := state.upstream_authorization(headers)) is not None:
         sent["authorization"] = authorization  # a keyed engine's (state.py)
-    answers = await asyncio.gather(*(_call(state, method, url + target, sent) for url in urls))
+    answers = await asyncio.gather(
+        *(send_to_replica(state, url + target, b"", sent, method) for url in urls)
+    )
     if method == "POST":
         await probe_all(state)  # each replica's pause state now, not at the next probe
     replicas = {
@@ -107,19 +109,6 @@ async def _serve(
         return
     kind = (b"content-type", b"application/json")
     await send_bytes(send, 200, answers[0][1].encode(), [kind], ex)
-
-
-async def _call(
-    state: GatewayState, method: str, url: str, headers: dict[str, str]
-) -> tuple[int, str]:
-    """One replica's (status, answer text); 502 and the reason when it gave none."""
-    try:
-        response = await state.client.request(
-            method, url, headers=headers, timeout=state.config.upstream_timeout_s
-        )
-    except httpx.HTTPError as exc:
-        return 502, f"no answer: {type(exc).__name__}"
-    return response.status_code, response.text
 
 
 def _parsed(text: str) -> Any:
