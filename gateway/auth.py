@@ -93,6 +93,9 @@ def derived_salt(tenant: str) -> str:
 # A tenant's limits, positive integers (gateway/tenant_caps.py, gateway/tenant_rates.py);
 # they and its ``models`` (gateway/handler.py forward_watched) are one value for all its keys
 TENANT_COUNTS = ("max_parallel_requests", "rpm_limit", "tpm_limit")
+# Their bound: a bucket's level in thousandths stays a 64-bit integer in Redis's answer,
+# and a limit a float (tenant_rates.py): 10^400 made every request of its tenant a 500.
+MAX_LIMIT = 10**15
 
 
 def parse_api_keys(data: object) -> dict[str, Tenant]:
@@ -122,9 +125,11 @@ def parse_api_keys(data: object) -> dict[str, Tenant]:
         limits = [spec.get(field_name) for field_name in TENANT_COUNTS]
         for limit, field_name in zip(limits, TENANT_COUNTS, strict=True):
             if limit is not None and (
-                not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+                not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT
             ):
-                raise ValueError(f"API key {key[:6]}…: {field_name} is a positive integer")
+                raise ValueError(
+                    f"API key {key[:6]}…: {field_name} is a positive integer, at most 10^15"
+                )
         models = spec.get("models")
         if models is not None and (
             not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)

@@ -88,9 +88,10 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
 
 
 def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url: str) -> list[str]:
-    cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", args.model]
+    served = args.served_model_name[0] if args.served_model_name else args.model
+    cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", served]
     if args.served_model_name:  # names the gateway cannot look up: tokenized as the model
-        cmd = [*cmd[:-1], args.served_model_name[0], "--tokenizer", args.model]
+        cmd += ["--tokenizer", args.model]
     cmd += ["--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
     for url in replica_urls:
         cmd += ["--replica", url]
