@@ -109,8 +109,11 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
 def banner(args: argparse.Namespace, base_url: str) -> str:
     key = f"<a key from {args.api_keys}>" if args.api_keys is not None else "none"
     message = '[{"role": "user", "content": "Hello!"}]'
-    create = f'client.chat.completions.create(model="{args.model}", messages={message})'
-    body = f'{{"model": "{args.model}", "messages": {message}}}'
+    name = args.served_model_name[0] if args.served_model_name else args.model  # what is served
+    create = f'client.chat.completions.create(model="{name}", messages={message})'
+    body = f'{{"model": "{name}", "messages": {message}}}'
+    # several names listed: `prefixgate chat` asks which
+    chat_model = f" --model {name}" if len(args.served_model_name or ()) > 1 else ""
     size = args.data_parallel_size
     ranks = f" ({size} data-parallel ranks each)" if size > 1 else ""
     return f"""
@@ -125,7 +128,7 @@ prefixgate is up: {args.replicas} × {args.model}{ranks} behind one gateway.
   client = OpenAI(base_url="{base_url}", api_key="{key}")
   print({create}.choices[0].message.content)
 
-  prefixgate chat "Hello!" --base-url {base_url}
+  prefixgate chat "Hello!" --base-url {base_url}{chat_model}
   (run it twice: the second answer reports cached prompt tokens)
 
 logs in {args.run_dir}/ · Ctrl-C stops everything

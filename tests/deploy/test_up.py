@@ -126,6 +126,18 @@ def test_banner_tells_how_to_call_the_gateway(tmp_path: Path) -> None:
     assert "curl http://127.0.0.1:8123/v1/chat/completions" in text
     assert 'OpenAI(base_url="http://127.0.0.1:8123/v1"' in text
     assert "prefixgate chat" in text
+    assert 'model="tiny-random"' in text
+
+
+def test_banner_names_the_model_as_served(tmp_path: Path) -> None:
+    """With --served-model-name the replicas serve those names only (as vLLM): the banner
+    told clients to call the model's own name, a 404."""
+    names = ["--served-model-name", "gpt-4o-mini", "chat"]
+    args = up.parse_args(["--model", "tiny-random", *names, "--run-dir", str(tmp_path)])
+    text = up.banner(args, "http://127.0.0.1:8123/v1")
+    assert 'model="gpt-4o-mini"' in text and '"model": "gpt-4o-mini"' in text
+    assert "--model gpt-4o-mini" in text  # prefixgate chat is told which of the two
+    assert "tiny-random\"" not in text
 
 
 def test_a_busy_port_is_refused_before_anything_starts(
