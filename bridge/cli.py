@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p,
         "tokenizer",
-        help="the gateway's tokenizer (builtin name or model folder) for the start-up parity "
-        "check (default: --model)",
+        help="the gateway's tokenizer (builtin name, model folder or Hub id) for the start-up "
+        "parity check (default: --model, else the engine's root, as the gateway tries them)",
     )
     add_env_flag(
         p,

@@ -65,7 +65,7 @@ class BridgeConfig:
     data_parallel_rank: int | None = None
     # Engine medium → tier overrides (--medium NAME=TIER; bridge/media.py), upper-cased.
     media: dict[str, Medium | None] = field(default_factory=dict)
-    tokenizer: str | None = None  # for the parity check; None: the model name
+    tokenizer: str | None = None  # for the parity check; None: the model name, its root
     chat_template: str | None = None  # jinja source (--chat-template), for the parity check
     check_tokenizer: bool = True
     heartbeat_s: float = 1.0
@@ -173,6 +173,7 @@ class Bridge:
             verify=tls,
         )
         self.stats = BridgeStats()
+        self.engine_root: str | None = None  # its cards' root: a source of its tokenizer
         self.event_source_notes: list[str] | None = None  # None: not checked (yet)
 
     # ----------------------------------------------------------------------- lifecycle
@@ -238,7 +239,10 @@ class Bridge:
             try:
                 reply = await self._http.get(f"{self.config.engine_url.rstrip('/')}/v1/models")
                 reply.raise_for_status()
-                return str(reply.json()["data"][0]["id"])
+                card = reply.json()["data"][0]
+                root = card.get("root")  # what vLLM and SGLang were started from
+                self.engine_root = root if isinstance(root, str) and root else None
+                return str(card["id"])
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                 if time.monotonic() >= next_note:
                     waited = time.monotonic() - started
@@ -352,13 +356,20 @@ class Bridge:
             log.warning("the engine's event publisher not checked (%s)", exc)
 
     async def _check_tokenizer(self) -> None:
-        from bridge.tokenizer_check import check, load_tokenizer, report
+        from bridge.tokenizer_check import check, load_first, report
 
-        source = self.config.tokenizer or self.config.model
-        assert source is not None
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, source, self.config.chat_template)
-            await self._wait_for_model()  # the engine may still be starting (minutes)
+            if self.config.tokenizer is not None:
+                sources = [self.config.tokenizer]
+            else:  # as the gateway tries them: the served name, then the engine's root
+                await self._wait_for_model()  # the engine may still be starting (minutes)
+                assert self.config.model is not None
+                sources = list(dict.fromkeys([self.config.model, self.engine_root or ""]))
+            template = self.config.chat_template
+            tokenizer, source = await asyncio.to_thread(
+                load_first, [s for s in sources if s], template
+            )
+            await self._wait_for_model()
             c = self.config
             results = await check(
                 c.engine_url, tokenizer, c.model, api_key=c.engine_api_key, tls=c.engine_tls()

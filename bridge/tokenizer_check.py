@@ -67,6 +67,19 @@ class CaseResult(NamedTuple):
     detail: str  # where they first differ, or the engine's error
 
 
+def load_first(sources: list[str], chat_template: str | None = None) -> tuple[SegmentCache, str]:
+    """``load_tokenizer`` of the first of ``sources`` that loads, and that source, as the
+    gateway tries a model's name and then its engine's ``root``; the last failure when
+    none does."""
+    for i, source in enumerate(sources):
+        try:
+            return load_tokenizer(source, chat_template), source
+        except Exception:
+            if i == len(sources) - 1:
+                raise
+    raise ValueError("no tokenizer source")
+
+
 def load_tokenizer(name_or_dir: str, chat_template: str | None = None) -> SegmentCache:
     """The gateway's tokenizer for the model; ``chat_template``: the jinja source of a
     ``--chat-template`` that replaces the model's own, as the gateway applies it."""
@@ -153,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare the gateway's chat tokenizer with an engine's /tokenize.",
     )
     add_env_flag(p, "engine-url", help="the engine's OpenAI server, e.g. http://127.0.0.1:8001")
-    add_env_flag(p, "model", help="the gateway's tokenizer: a builtin model name or a model folder")
+    add_env_flag(
+        p, "model", help="the gateway's tokenizer: a builtin model, a model folder or a Hub id"
+    )
     add_env_flag(
         p, "served-model", help="model name to send the engine (default: its first /v1/models)"
     )

@@ -155,6 +155,7 @@ def create_app(
         tenant_rates=TenantRates(config.redis_url, limits=auth.rates),
         keys_file=keys_file,
     )
+    state.keys.roots = state.tokenizer_roots  # what its replicas say a model was started from
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = state
     _add_routes(app)
@@ -167,6 +168,7 @@ def _key_builder(config: GatewayConfig) -> KeyBuilder:
     every = config.chat_template
     return KeyBuilder(
         config.tokenizer,
+        tokenizers=config.model_tokenizers,
         inline_chars=config.inline_tokenize_chars,
         chat_templates={
             model: read_chat_template_file(path)
@@ -197,10 +199,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not state.auth.open:  # caps counted with the other gateways (tenant_caps.py)
             state.tenant_caps.gateway_id = state.sync.gateway_id
             state.tasks.append(asyncio.create_task(state.tenant_caps.run()))
-    # Aliases and adapters are tokenized as the model they are served by.
+    await probe_all(state)  # before serving: the replicas that answer take traffic at once
+    # Aliases and adapters are tokenized as the model they are served by; after the probe,
+    # which read the answering replicas' model cards (a card's root: a tokenizer source).
     for model in {*config.models, *(v.model for v in state.router.replicas.values() if v.model)}:
         await state.keys.preload(model)
-    await probe_all(state)  # before serving: the replicas that answer take traffic at once
     state.tasks.append(asyncio.create_task(probe_loop(state)))
     state.tasks.append(asyncio.create_task(names_loop(state)))
     if state.keys_file is not None:  # keys revoked or added on disk are used at once

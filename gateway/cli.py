@@ -83,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_tls_flags(p, "upstream", "replicas")
     add_server_tls_flags(p)
     add_env_list_flag(p, "model", help="model assumed for static replicas that do not say")
-    add_env_flag(p, "tokenizer", help="tokenizer for every model")
+    add_env_list_flag(
+        p,
+        "tokenizer",
+        metavar="[MODEL=]SRC",
+        help="the tokenizer (a folder or a Hugging Face Hub id) for every model or for MODEL "
+        "(repeatable); default: the model's name, else the root its replicas list",
+    )
     add_env_list_flag(
         p,
         "chat-template",
@@ -150,6 +156,23 @@ def chat_template_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]
     return every, per_model
 
 
+def tokenizer_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """``--tokenizer SRC`` (every model) and ``--tokenizer MODEL=SRC``."""
+    every: str | None = None
+    per_model: dict[str, str] = {}
+    for value in values:
+        model, sep, source = value.partition("=")
+        if sep and not (model and source):
+            raise ValueError(f"--tokenizer {value}: give MODEL=SRC or SRC")
+        if sep:
+            per_model[model] = source
+        elif every is not None:
+            raise ValueError("--tokenizer SRC given twice; use MODEL=SRC per model")
+        else:
+            every = value
+    return every, per_model
+
+
 def allowed_origins(value: str) -> list[str]:
     """``--allowed-origins``: a JSON list of origins, or comma-separated ones."""
     text = value.strip()
@@ -191,6 +214,7 @@ def _memo_bytes(mb: float) -> int:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     chat_template, model_chat_templates = chat_template_flags(args.chat_template)
+    tokenizer, model_tokenizers = tokenizer_flags(args.tokenizer)
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -204,7 +228,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         upstream_certfile=args.upstream_certfile,
         upstream_keyfile=args.upstream_keyfile,
         models=args.model,
-        tokenizer=args.tokenizer,
+        tokenizer=tokenizer,
+        model_tokenizers=model_tokenizers,
         chat_template=chat_template,
         model_chat_templates=model_chat_templates,
         block_size=args.block_size,

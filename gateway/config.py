@@ -34,8 +34,10 @@ class GatewayConfig:
     upstream_keyfile: str | None = None
     # Model names assumed for static replicas that have not (yet) said what they serve.
     models: list[str] = field(default_factory=list)
-    # Tokenizer for every model (overrides the per-model lookup by name).
+    # --tokenizer: a folder or Hub id for every model, and per model (MODEL=SRC); each
+    # overrides the lookup by the model's name and its replicas' roots (gateway/routing.py).
     tokenizer: str | None = None
+    model_tokenizers: dict[str, str] = field(default_factory=dict)
     # --chat-template: a jinja file for every model, and per model (MODEL=FILE); the
     # replicas serving a model must be started with the same one.
     chat_template: Path | None = None

@@ -254,6 +254,7 @@ async def refresh_names(
         }
         state.router.set_names(view.replica_id, names)
         state.cards[view.replica_id] = served.cards
+        state.keys.load_soon(view.model)  # a tokenizer source its card names (its root)
     for gone in fetched_at.keys() - state.router.replicas.keys():
         del fetched_at[gone]
     for gone in state.cards.keys() - state.router.replicas.keys():
@@ -289,13 +290,13 @@ async def learn_static_models(state: GatewayState, pending: list[str]) -> None:
                 continue
             waiting.remove(url)
             model = served.model
-            await state.keys.preload(model)
             rid = static_replica_id(url)
+            state.cards[rid] = served.cards  # its root: a source of the model's tokenizer
+            await state.keys.preload(model)
             view = state.router.replicas.get(rid)
             if view is None or view.model != model:
                 _put_static(state, url, model)
             state.router.set_names(rid, served.names)
-            state.cards[rid] = served.cards
             log.info("replica %s serves %r", url, model)
 
 

@@ -98,16 +98,28 @@ def default_loader(name_or_path: str, chat_template: str | None = None) -> Token
 
 class KeyBuilder:
     """Tokenizers per model (loaded once, failures remembered) and key computation, with
-    the keys of recent prompts remembered (``memo``, gateway/key_memo.py)."""
+    the keys of recent prompts remembered (``memo``, gateway/key_memo.py).
+
+    A model's tokenizer comes from the first of its sources that loads: ``--tokenizer
+    MODEL=SRC`` or ``--tokenizer SRC`` when given; else the model's name (a builtin
+    model, a local folder, a Hub id ``org/name``), then the ``root`` its replicas list on
+    their model cards (vLLM's and SGLang's ``--model``: a served name like ``chat`` is
+    no tokenizer, the model it was started from is). A model none of whose sources loads
+    is keyed by bytes; it is tried again when its replicas name a source not tried yet,
+    in the background (``load_soon``): no request waits for it."""
 
     __slots__ = (
         "_chat_template",
         "_chat_templates",
         "_inline_chars",
         "_loader",
+        "_loading",
+        "_model_tokenizers",
         "_override",
         "_tokenizers",
+        "_tried",
         "memo",
+        "roots",
     )
 
     def __init__(
@@ -119,8 +131,10 @@ class KeyBuilder:
         chat_templates: Mapping[str, str] | None = None,
         chat_template: str | None = None,
         memo_bytes: int = 64 << 20,
+        tokenizers: Mapping[str, str] | None = None,
     ) -> None:
         self._override = tokenizer
+        self._model_tokenizers = dict(tokenizers or {})  # model -> source (--tokenizer M=SRC)
         self.memo = KeyMemo(memo_bytes)
         self._inline_chars = inline_chars
         self._loader = loader
@@ -129,26 +143,81 @@ class KeyBuilder:
         self._chat_templates = dict(chat_templates or {})
         self._chat_template = chat_template  # for models without their own
         self._tokenizers: dict[str, Tokenizer | None] = {}
+        self._tried: dict[str, set[str]] = {}  # model -> sources that failed to load
+        self._loading: dict[str, asyncio.Task[None]] = {}
+        # model -> the tokenizer sources its replicas name (their cards' ``root``); set by
+        # the gateway (GatewayState.tokenizer_roots)
+        self.roots: Callable[[str], Sequence[str]] = lambda model: ()
+
+    def sources(self, model: str) -> list[str]:
+        """Where ``model``'s tokenizer may come from, in the order tried."""
+        chosen = self._model_tokenizers.get(model, self._override)
+        if chosen is not None:
+            return [chosen]
+        return list(dict.fromkeys([model, *self.roots(model)]))
+
+    def stale(self, model: str) -> bool:
+        """Keyed by bytes although a source not tried yet may load."""
+        if self._tokenizers.get(model, True) is not None:  # loaded, or never tried
+            return False
+        tried = self._tried.get(model, set())
+        return any(source not in tried for source in self.sources(model))
 
     def tokenizer_for(self, model: str) -> Tokenizer | None:
         """The model's tokenizer, or None when it has none we can load (byte keys)."""
-        if model in self._tokenizers:
+        if model in self._tokenizers and not self.stale(model):
             return self._tokenizers[model]
-        source = self._override or model
-        try:
-            tokenizer: Tokenizer | None = self._loader(source, self.chat_template_for(model))
-        except Exception as exc:  # any loader failure means "no tokenizer", not a 500
-            log.warning("no tokenizer for model %r (%s); routing on prompt bytes", model, exc)
-            tokenizer = None
-        self._tokenizers[model] = tokenizer
-        return tokenizer
+        tried = self._tried.setdefault(model, set())
+        failures = []
+        for source in self.sources(model):
+            if source in tried:
+                continue
+            try:
+                tokenizer = self._loader(source, self.chat_template_for(model))
+            except Exception as exc:  # no such folder, no tokenizer files, Hub unreachable
+                tried.add(source)
+                failures.append(f"{source}: {exc}")
+                continue
+            if source != model:
+                log.info("tokenizer of model %r: %s", model, source)
+            self._tokenizers[model] = tokenizer
+            del self._tried[model]
+            return tokenizer
+        if failures:
+            log.warning(
+                "no tokenizer for model %r (%s); routing on prompt bytes: give the gateway "
+                "--tokenizer %s=FOLDER_OR_HUB_ID",
+                model,
+                "; ".join(failures),
+                model,
+            )
+        self._tokenizers[model] = None
+        return None
 
     def chat_template_for(self, model: str) -> str | None:
         return self._chat_templates.get(model, self._chat_template)
 
     async def preload(self, model: str) -> None:
-        if model not in self._tokenizers:
+        """Load ``model``'s tokenizer (in a thread) unless loaded or nothing new to try;
+        callers at once share one load."""
+        task = self.load_soon(model)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def load_soon(self, model: str) -> asyncio.Task[None] | None:
+        """Start loading ``model``'s tokenizer in a thread when it is due (never tried, or
+        ``stale``); the load under way, if any."""
+        task = self._loading.get(model)
+        if task is None and (model not in self._tokenizers or self.stale(model)):
+            task = asyncio.create_task(self._load(model))
+            self._loading[model] = task
+        return task
+
+    async def _load(self, model: str) -> None:
+        try:
             await asyncio.to_thread(self.tokenizer_for, model)
+        finally:
+            del self._loading[model]
 
     async def keys(
         self,
@@ -174,6 +243,8 @@ class KeyBuilder:
         else:
             if model not in self._tokenizers:
                 await self.preload(model)
+            elif self.stale(model):  # its replicas named a source since: try it, not waiting
+                self.load_soon(model)
             tokenizer = self._tokenizers[model]
         memo = self.memo
         chat = request if isinstance(request, ChatCompletionRequest) else None

@@ -93,6 +93,16 @@ class GatewayState:
                 return view
         return None
 
+    def tokenizer_roots(self, model: str) -> list[str]:
+        """What ``model``'s replicas list as its ``root`` (vLLM's and SGLang's ``--model``:
+        a Hub id or the engine's folder), a source of its tokenizer (gateway/routing.py)."""
+        roots = []
+        for view in self.router.replicas.values():
+            root = self.cards.get(view.replica_id, {}).get(model, {}).get("root")
+            if view.model == model and isinstance(root, str) and root and root not in roots:
+                roots.append(root)
+        return roots
+
     def has_unknown_model_replica(self) -> bool:
         return any(v.model == "" for v in self.router.replicas.values())
 

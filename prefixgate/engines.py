@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from prefixgate.models import is_builtin, model_dir
+from prefixgate.models import is_builtin, is_hub_id, model_dir
 
 ENGINES = ("prefixgate", "vllm")
 
@@ -28,8 +28,11 @@ class EnginePorts(NamedTuple):
     replay: int
 
 
-def engine_model_path(model: str) -> Path:
-    """The folder the engine loads: a builtin model's converted folder, or the folder."""
+def engine_model_path(model: str) -> Path | str:
+    """What the engine loads: a builtin model's converted folder, the folder, or a Hub id
+    as given (the engine fetches the model; bridges and gateway fetch its tokenizer)."""
+    if is_hub_id(model) and not Path(model).expanduser().is_dir():
+        return model
     path = model_dir(model)
     if is_builtin(model) and not (path / "config.json").is_file():
         raise FileNotFoundError(

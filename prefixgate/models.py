@@ -12,7 +12,9 @@ A model is named by a builtin name or by a local Hugging Face folder:
 weights, so it is not a builtin model, but ``ensure_tokenizer_dir`` knows it.
 
 The gateway only needs the tokenizer, so ``ensure_tokenizer_dir`` extracts SmolLM2's
-tokenizer straight from the GGUF metadata without torch; the replica's loader
+tokenizer straight from the GGUF metadata without torch, and fetches only the tokenizer
+files of a model named by its Hugging Face Hub id (``org/name``, as vLLM and SGLang
+engines are usually started and name their model); the replica's loader
 (``replica.models``) builds the weights and copies the same tokenizer files next to them,
 so gateway and replica tokenize identically by construction.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -40,6 +43,11 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = "v1"
 # The files that make a tokenizer folder; copied next to the weights of builtin models.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# What ChatTokenizer.from_dir reads, fetched from the Hub for a model named by its id.
+HUB_TOKENIZER_FILES = (*TOKENIZER_FILES, "generation_config.json")
+# ... and what the built-in replica loads of one: configuration, safetensors weights.
+HUB_MODEL_FILES = (*HUB_TOKENIZER_FILES, "*.json", "*.safetensors")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class ModelNotFoundError(ValueError):
@@ -131,10 +139,53 @@ def publish_dir(final: Path, build: Callable[[Path], None]) -> Path:
     return final
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face Hub model id, ``org/name``: how vLLM and
+    SGLang users name models (``--model Qwen/Qwen2.5-7B-Instruct``), and vLLM's default
+    served name. A bare name (``gpt2``, an alias like ``chat``) is not looked up: served
+    aliases are bare, and each lookup may wait for the network."""
+    return HUB_ID.fullmatch(name) is not None and ".." not in name
+
+
+def hub_tokenizer_dir(repo_id: str) -> Path:
+    """The tokenizer files of a Hub model, fetched once into the Hugging Face cache (only
+    those files: a few MB, not the weights)."""
+    path = hub_snapshot(repo_id, HUB_TOKENIZER_FILES, "tokenizer")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelNotFoundError(f"Hugging Face model {repo_id!r} has no tokenizer.json")
+    return path
+
+
+def hub_model_dir(repo_id: str) -> Path:
+    """A Hub model's folder (configuration, safetensors weights, tokenizer), fetched once
+    into the Hugging Face cache."""
+    return hub_snapshot(repo_id, HUB_MODEL_FILES, "model")
+
+
+def hub_snapshot(repo_id: str, patterns: tuple[str, ...], what: str) -> Path:
+    """The files of ``repo_id`` matching ``patterns``, from the Hugging Face cache, fetched
+    there first when missing. ``huggingface_hub`` honours ``HF_TOKEN``, ``HF_ENDPOINT`` (a
+    mirror), ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE``, and falls back to the cached copy
+    when the Hub cannot be reached, as vLLM does."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(patterns)))
+    except Exception as exc:  # offline and not cached, no such repo, gated, network
+        first_line = (str(exc).splitlines() or [""])[0]
+        raise ModelNotFoundError(
+            f"the {what} of Hugging Face model {repo_id!r} could not be fetched: "
+            f"{type(exc).__name__}: {first_line}"
+        ) from exc
+
+
 def ensure_tokenizer_dir(name_or_path: str) -> Path:
-    """The folder holding the model's tokenizer files, extracting SmolLM2's tokenizer from
-    its GGUF into the cache the first time (torch-free: only the metadata is read)."""
+    """The folder holding the model's tokenizer files: a builtin model's (SmolLM2's,
+    extracted from its GGUF into the cache the first time, torch-free), a local folder,
+    or a Hub model's (``hub_tokenizer_dir``) when ``name_or_path`` is no local folder."""
     if not is_builtin(name_or_path) and name_or_path != SIM_MODEL:
+        if is_hub_id(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+            return hub_tokenizer_dir(name_or_path)
         path = model_dir(name_or_path)
         if not (path / "tokenizer.json").is_file():
             raise ModelNotFoundError(f"{path} has no tokenizer.json")

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,6 +33,17 @@ from replica.sim.setup import SIM_MODEL, add_sim_flags, build_sim
 log = logging.getLogger("prefixgate.replica")
 
 _WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def model_root(model: str) -> str:
+    """The ``root`` of the model cards: what the model was started from, as vLLM lists
+    its ``--model`` (a gateway loads the tokenizer from it when a served name is none);
+    a folder by its absolute path."""
+    from prefixgate.models import is_builtin, model_dir
+
+    if is_builtin(model) or model == SIM_MODEL or not Path(model).expanduser().is_dir():
+        return model  # a builtin name, or a Hub id
+    return str(model_dir(model))
 
 
 def default_advertise_url(host: str, port: int, redis_url: str | None, scheme: str = "http") -> str:
@@ -71,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         "model",
         default="smollm2-135m",
-        help="builtin model name, local HF folder, or sim (the simulated engine: "
+        help="builtin model name, local HF folder, Hugging Face Hub id (org/name: fetched "
+        "into the Hugging Face cache), or sim (the simulated engine: "
         "a GPU cost model instead of the forward pass, torch-free; --sim-profile)",
     )
     p.add_argument(
@@ -265,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         tool_call_parser=args.tool_call_parser,
         responses=ResponseStore(max_bytes=int(args.response_store_mb * 1024 * 1024)),
         aliases=tuple(dict.fromkeys(a for a in aliases if a != served_name)),
+        root=model_root(args.model),
     )
     app = Guard(create_app(replica), guard)
     config = uvicorn.Config(

@@ -29,7 +29,9 @@ from prefixgate.models import (
     DEFAULT_MODEL,
     TOKENIZER_FILES,
     ensure_tokenizer_dir,
+    hub_model_dir,
     is_builtin,
+    is_hub_id,
     model_dir,
     publish_dir,
     smollm2_gguf_path,
@@ -150,7 +152,10 @@ BUILDERS = {"tiny-random": build_tiny_random, "smollm2-135m": convert_smollm2}
 
 
 def ensure_model_dir(name_or_path: str) -> Path:
-    """The model's HF folder, built into the cache first for a builtin name."""
+    """The model's HF folder, built into the cache first for a builtin name, fetched into
+    the Hugging Face cache first for a Hub id (``org/name``) that is no local folder."""
+    if is_hub_id(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+        return hub_model_dir(name_or_path)
     path = model_dir(name_or_path)
     if is_builtin(name_or_path):
         publish_dir(path, BUILDERS[name_or_path])
@@ -179,8 +184,9 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> LoadedModel:
-    """Load a builtin model (building it into the cache the first time) or a local HF
-    folder onto ``device``, in eval mode with gradients off."""
+    """Load a builtin model (building it into the cache the first time), a local HF
+    folder or a Hub model (``ensure_model_dir``) onto ``device``, in eval mode with
+    gradients off."""
     torch_device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     path = ensure_model_dir(name_or_path)

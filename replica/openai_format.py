@@ -187,7 +187,12 @@ def usage_chunk(id_: str, model: str, created: int, object_: str, use: Usage) ->
     }
 
 
-def model_list(model_ids: Sequence[str], created: int, max_model_len: int) -> dict[str, Any]:
+def model_list(
+    model_ids: Sequence[str], created: int, max_model_len: int, root: str = ""
+) -> dict[str, Any]:
+    """vLLM's model list: each served name a card, with ``root`` (what the model was
+    started from) and ``parent`` (none: no name here is an adapter)."""
+    extra = {"root": root, "parent": None} if root else {}
     return {
         "object": "list",
         "data": [
@@ -197,6 +202,7 @@ def model_list(model_ids: Sequence[str], created: int, max_model_len: int) -> di
                 "created": created,
                 "owned_by": "prefixgate",
                 "max_model_len": max_model_len,
+                **extra,
             }
             for m in model_ids
         ],

@@ -154,7 +154,8 @@ def create_app(replica: Replica) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return fmt.model_list(replica.model_ids, fmt.now(), replica.loaded.max_context)
+        loaded = replica.loaded
+        return fmt.model_list(replica.model_ids, fmt.now(), loaded.max_context, replica.root)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -43,6 +43,9 @@ class Replica:
     # The other names of --served-model-name: requests may name the model by any of them
     # (vLLM's aliases), served from the one cache.
     aliases: tuple[str, ...] = ()
+    # What the model was started from (its --model: a builtin name or a folder), listed as
+    # each card's ``root`` as vLLM lists it; "" lists none.
+    root: str = ""
     # Structured output's compiled grammars (replica.grammar), made at the first request
     # that asks for one.
     _grammars: Grammars | None = None

@@ -279,8 +279,10 @@ class FakeEngineHTTP:
         api_key: str | None = None,
         tls: ssl.SSLContext | None = None,
         event_sources: dict[str, Any] | None = None,
+        root: str | None = None,
     ) -> None:
         self.model = model
+        self.root = root  # the card's root (vLLM's --model); None: no root listed
         self.event_sources = event_sources
         self.api_key = api_key
         self.tls = tls
@@ -326,7 +328,10 @@ class FakeEngineHTTP:
                 elif self.path == "/health":
                     self._reply(200, b"")
                 elif self.path == "/v1/models":
-                    data = {"object": "list", "data": [{"id": engine.model, "object": "model"}]}
+                    card = {"id": engine.model, "object": "model"}
+                    if engine.root is not None:
+                        card["root"] = engine.root
+                    data = {"object": "list", "data": [card]}
                     self._reply(200, json.dumps(data).encode())
                 elif self.path == "/metrics":
                     self._reply(200, engine.metrics.encode(), "text/plain; version=0.0.4")

@@ -200,6 +200,40 @@ async def test_the_bridges_start_up_check_uses_its_chat_template(
         await bridge.stop()
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_bridges_check_finds_the_tokenizer_by_the_engines_root(
+    anyio_backend: str, tokenizer: ChatTokenizer
+) -> None:
+    """An engine serving ``--served-model-name chat`` lists what it was started from as
+    its card's root: the check tries it after the served name, as the gateway does (it
+    was not checked at all: no tokenizer named ``chat``)."""
+    from bridge.service import Bridge, BridgeConfig
+    from prefixgate.procs import free_port
+    from tests.conftest import wait_until_async
+
+    engine = FakeEngineHTTP(model="chat", tokenize=tokenizer.encode_chat, root="tiny-random")
+    engine.start()
+    config = BridgeConfig(
+        engine.url, f"tcp://127.0.0.1:{free_port()}", "redis://127.0.0.1:1/0", heartbeat_s=0.1
+    )
+    bridge = Bridge(config)
+    await bridge.start()
+    try:
+        await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
+        assert bridge.stats.tokenizer_ok is True
+    finally:
+        await bridge.stop()
+        engine.stop()
+
+
+def test_load_first_takes_the_first_source_that_loads() -> None:
+    tokenizer, source = tokenizer_check.load_first(["chat", "tiny-random", "smollm2-135m"])
+    assert source == "tiny-random" and tokenizer.encode("hi")
+    with pytest.raises(Exception, match="nowhere"):
+        tokenizer_check.load_first(["chat", "/nowhere"])
+
+
 def test_up_gives_its_bridges_the_engines_chat_template(tmp_path: Path) -> None:
     from bridge.cli import parse_args
     from prefixgate import up

@@ -137,7 +137,7 @@ def test_banner_names_the_model_as_served(tmp_path: Path) -> None:
     text = up.banner(args, "http://127.0.0.1:8123/v1")
     assert 'model="gpt-4o-mini"' in text and '"model": "gpt-4o-mini"' in text
     assert "--model gpt-4o-mini" in text  # prefixgate chat is told which of the two
-    assert "tiny-random\"" not in text
+    assert 'tiny-random"' not in text
 
 
 def test_a_busy_port_is_refused_before_anything_starts(

@@ -65,12 +65,12 @@ def test_the_names_reach_the_replicas_and_the_gateway(monkeypatch: pytest.Monkey
     assert parsed.served_model_name == ["mine", "gpt-4o"]
     gateway = gateway_parser().parse_args(up.gateway_command(args, ["http://r:1"], "redis://r")[4:])
     # The names are not ones the gateway can look up: it tokenizes them as the model.
-    assert (gateway.model, gateway.tokenizer) == (["mine"], "tiny-random")
+    assert (gateway.model, gateway.tokenizer) == (["mine"], ["tiny-random"])
     plain = up.parse_args(["--model", "tiny-random"])
     gateway = gateway_parser().parse_args(
         up.gateway_command(plain, ["http://r:1"], "redis://r")[4:]
     )
-    assert (gateway.model, gateway.tokenizer) == (["tiny-random"], None)
+    assert (gateway.model, gateway.tokenizer) == (["tiny-random"], [])
     # As vLLM's flag: several after it; from the environment, comma-separated.
     monkeypatch.setenv("PREFIXGATE_SERVED_MODEL_NAME", "a, b")
     assert replica_parser().parse_args([]).served_model_name == ["a", "b"]

@@ -1,0 +1,239 @@
+"""Where the gateway finds a model's tokenizer (gateway/routing.py ``KeyBuilder``).
+
+vLLM and SGLang users name models by their Hugging Face Hub id (``--model
+Qwen/Qwen2.5-7B-Instruct``, served under that name by default) or serve them under
+another name (``--served-model-name chat``). The gateway looked a model's tokenizer up by
+its served name, as a builtin name or a local folder only: for either kind of engine it
+found none, keyed every prompt by its bytes, and so never matched the blocks the engines
+published (routing fell back to its own guesses, forgotten after 30 s). Now it fetches a
+Hub model's tokenizer files, and tries the ``root`` the replicas list on their model cards
+(what they were started from) after the served name.
+
+The Hub cannot be reached from the tests: they fill a Hugging Face cache in the Hub's own
+layout, and the real ``huggingface_hub`` reads it offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.routing import KeyBuilder
+from prefixgate.models import ModelNotFoundError, ensure_tokenizer_dir, is_hub_id
+from prefixgate.procs import free_port
+from prefixgate.wire import CompletionRequest
+from tests.conftest import RedisServer, wait_until
+from tests.gateway.conftest import Server, start, start_gateway
+
+pytestmark = pytest.mark.timeout(240)
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fill_hub_cache(cache: Path, repo_id: str, source: Path, files: list[str]) -> None:
+    """``repo_id`` in a Hugging Face cache (``HF_HUB_CACHE``), its snapshot holding
+    ``files`` of the folder ``source``, as ``huggingface_hub`` lays a download out."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    for name in files:
+        shutil.copy(source / name, snapshot / name)
+
+
+def tiny_random_dir() -> Path:
+    from replica.models import ensure_model_dir  # torch: only for the cluster's cache
+
+    return ensure_model_dir("tiny-random")
+
+
+@pytest.fixture
+def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process's Hugging Face cache, offline, holding ``acme/tiny``'s tokenizer."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    source = ensure_tokenizer_dir("tiny-random")
+    fill_hub_cache(cache, "acme/tiny", source, ["tokenizer.json", "tokenizer_config.json"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hub_ids_are_org_slash_name() -> None:
+    for name in ("Qwen/Qwen2.5-7B-Instruct", "meta-llama/Llama-3.1-8B", "a/b.c_d-e"):
+        assert is_hub_id(name)
+    # Served aliases, builtin names, paths: never looked up on the Hub.
+    for name in ("chat", "gpt-4o-mini", "tiny-random", "/srv/models/x", "./x/y", "a/b/c"):
+        assert not is_hub_id(name)
+    assert not is_hub_id("../etc") and not is_hub_id("a/..")
+
+
+def test_a_hub_models_tokenizer_comes_from_the_hugging_face_cache(offline_hub: Path) -> None:
+    from prefixgate.tokenizer import ChatTokenizer
+
+    path = ensure_tokenizer_dir("acme/tiny")
+    assert path.is_relative_to(offline_hub) and (path / "tokenizer.json").is_file()
+    ours = ChatTokenizer.for_model("acme/tiny")
+    assert ours.encode("Hello there") == ChatTokenizer.for_model("tiny-random").encode(
+        "Hello there"
+    )
+    with pytest.raises(ModelNotFoundError, match="acme/absent"):
+        ensure_tokenizer_dir("acme/absent")  # offline and not cached: said, not a crash
+
+
+class Loads:
+    """A loader that loads the sources in ``good`` and records every attempt."""
+
+    def __init__(self, *good: str) -> None:
+        self.good = set(good)
+        self.calls: list[str] = []
+
+    def __call__(self, source: str, chat_template: str | None) -> Any:
+        self.calls.append(source)
+        if source not in self.good:
+            raise FileNotFoundError(source)
+        from prefixgate.segments import SegmentCache
+        from prefixgate.tokenizer import ChatTokenizer
+
+        return SegmentCache(ChatTokenizer.for_model("tiny-random"))
+
+
+def test_the_served_name_then_the_replicas_roots_are_tried() -> None:
+    loads = Loads("/srv/llama")
+    builder = KeyBuilder(loader=loads)
+    roots: dict[str, list[str]] = {"chat": ["/srv/llama"]}
+    builder.roots = lambda model: roots.get(model, [])
+    assert builder.tokenizer_for("chat") is not None
+    assert loads.calls == ["chat", "/srv/llama"]
+    assert builder.tokenizer_for("chat") is not None and len(loads.calls) == 2  # kept
+
+
+def test_a_root_named_later_is_tried_in_the_background() -> None:
+    """A replica's card may be read after the model was first keyed: the next request
+    starts a load of the new source and is keyed by bytes meanwhile, never waiting."""
+    loads = Loads("acme/tiny")
+    builder = KeyBuilder(loader=loads)
+    roots: list[str] = []
+    builder.roots = lambda model: roots
+    request = CompletionRequest(model="chat", prompt="a prompt of some words " * 8)
+
+    async def run() -> None:
+        first = await builder.keys(request, "chat", 16, "")
+        assert not first.tokenized and loads.calls == ["chat"]
+        again = await builder.keys(request, "chat", 16, "")
+        assert not again.tokenized and loads.calls == ["chat"]  # nothing new: not retried
+        roots.append("acme/tiny")  # the replica's card, read since
+        meanwhile = await builder.keys(request, "chat", 16, "")
+        assert not meanwhile.tokenized
+        task = builder.load_soon("chat")
+        assert task is not None  # the load the request started
+        await task
+        assert loads.calls == ["chat", "acme/tiny"]
+        assert (await builder.keys(request, "chat", 16, "")).tokenized
+
+    asyncio.run(run())
+
+
+def test_a_tokenizer_flag_wins_per_model_or_for_every_model() -> None:
+    loads = Loads("/srv/qwen", "/srv/all")
+    builder = KeyBuilder(loader=loads, tokenizers={"qwen": "/srv/qwen"})
+    builder.roots = lambda model: ["/elsewhere"]
+    assert builder.tokenizer_for("qwen") is not None and loads.calls == ["/srv/qwen"]
+    every = KeyBuilder("/srv/all", loader=loads, tokenizers={"qwen": "/srv/qwen"})
+    every.roots = lambda model: ["/elsewhere"]
+    assert every.tokenizer_for("llama") is not None and loads.calls[-1] == "/srv/all"
+    assert every.sources("qwen") == ["/srv/qwen"]
+
+
+def test_the_tokenizer_flag_parses_per_model_values() -> None:
+    from gateway.cli import tokenizer_flags
+
+    assert tokenizer_flags([]) == (None, {})
+    parsed = tokenizer_flags(["acme/tiny", "chat=/srv/llama"])
+    assert parsed == ("acme/tiny", {"chat": "/srv/llama"})
+    for bad in (["a", "b"], ["=x"], ["m="]):
+        with pytest.raises(ValueError):
+            tokenizer_flags(bad)
+
+
+# --------------------------------------------------------------------------- a cluster
+
+
+@pytest.fixture
+def hub_cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[Server, list[Server]]]:
+    """Two built-in replicas started as a vLLM user starts engines: ``--model acme/tiny``
+    (a Hub id, fetched from the Hugging Face cache) served as ``chat``; a gateway without
+    ``--tokenizer``; the Hub offline, its cache holding the model."""
+    cache = tmp_path / "hub"
+    model = tiny_random_dir()
+    files = sorted(p.name for p in model.iterdir() if p.is_file())
+    fill_hub_cache(cache, "acme/tiny", model, files)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    replicas = []
+    gateway = None
+    try:
+        for i in range(2):
+            port = free_port()
+            args = ["-m", "prefixgate", "replica", "--model", "acme/tiny", "--port", str(port)]
+            args += ["--served-model-name", "chat", "--redis-url", redis_server.url]
+            replicas.append(start(args, port, tmp_path, f"replica-{i}", env=env))
+        flags = ["--redis-url", redis_server.url]
+        gateway = start_gateway(tmp_path, "gateway", [], *flags, ready=False, env=env)
+        wait_until(
+            lambda: httpx.get(gateway.url + "/ready?min_replicas=2").status_code == 200,
+            timeout_s=60,
+            what="both replicas ready",
+        )
+        yield gateway, replicas
+    finally:
+        for server in [gateway, *replicas]:
+            if server is not None:
+                server.stop()
+
+
+def test_a_served_name_is_keyed_by_the_tokenizer_its_root_names(
+    hub_cluster: tuple[Server, list[Server]],
+) -> None:
+    """A prompt a replica cached (sent to it directly, so the gateway routed nothing) is
+    routed to that replica by the blocks it published: the gateway's keys are the
+    replica's. Before, ``chat`` had no tokenizer the gateway could find: the prompt was
+    keyed by bytes and matched nothing."""
+    gateway, replicas = hub_cluster
+    cards = httpx.get(replicas[0].url + "/v1/models").json()["data"]
+    assert [(c["id"], c["root"]) for c in cards] == [("chat", "acme/tiny")]
+    prompt = "A long shared document about prefix caches and routing. " * 48
+    holder = replicas[1]
+    direct = openai.OpenAI(base_url=holder.url + "/v1", api_key="unused", max_retries=0)
+    direct.completions.create(model="chat", prompt=prompt, max_tokens=1)
+
+    def published() -> bool:
+        stats = httpx.get(gateway.url + "/router/stats").json()["replicas"]
+        return any(v["blocks"] > 0 for v in stats.values())
+
+    wait_until(published, timeout_s=20, what="the holder's blocks in the gateway's index")
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    started = time.monotonic()
+    raw = client.completions.with_raw_response.create(
+        model="chat", prompt=prompt + "Question?", max_tokens=1
+    )
+    assert time.monotonic() - started < 30
+    route = raw.headers["x-prefixgate-route"]
+    matched = int(route.rsplit("matched=", 1)[1].split("/")[0])
+    assert matched >= 20, route
+    stats = httpx.get(gateway.url + "/router/stats").json()["replicas"]
+    holders = [rid for rid, v in stats.items() if v["blocks"] > 0]
+    assert raw.headers["x-prefixgate-replica"] in holders, (route, holders)
+    usage = raw.parse().usage
+    details = usage.prompt_tokens_details if usage is not None else None
+    assert details is not None and (details.cached_tokens or 0) >= 320
+    assert "routing on prompt bytes" not in gateway.log_text()
