@@ -50,6 +50,23 @@ def test_engine_and_bridge_commands_fit_each_other() -> None:
     assert (config.model, config.tokenizer) == ("mine", "tiny-random")
 
 
+def test_a_hub_id_goes_to_vllm_as_given_and_keys_as_that_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM fetches a model named by its Hub id itself; ``up`` refused any model that was
+    not a builtin name or a local folder."""
+    args = up.parse_args(["--engine", "vllm", "--model", "Qwen/Qwen2.5-0.5B-Instruct"])
+    ports = EnginePorts(8101, 5557, 5558)
+    cmd = vllm_command(args, ports)
+    assert cmd[cmd.index("--model") + 1] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert cmd[cmd.index("--served-model-name") + 1] == "Qwen/Qwen2.5-0.5B-Instruct"
+    config = bridge_args(bridge_command(args, ports, "127.0.0.1", "redis://r:6379/0")[4:])
+    assert config.tokenizer == "Qwen/Qwen2.5-0.5B-Instruct"
+    monkeypatch.setenv("PREFIXGATE_CACHE", str(tmp_path))  # an empty cache
+    with pytest.raises(FileNotFoundError):  # a builtin model not converted yet: still said
+        vllm_command(up.parse_args(["--engine", "vllm", "--model", "smollm2-135m"]), ports)
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_up_starts_engines_bridges_and_gateway_and_stops_them(tmp_path: Path, ranks: int) -> None:
     """Two engines with a bridge each; or one engine with two data-parallel ranks, a
