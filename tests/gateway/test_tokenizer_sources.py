@@ -229,7 +229,7 @@ def test_a_served_name_is_keyed_by_the_tokenizer_its_root_names(
     assert time.monotonic() - started < 30
     route = raw.headers["x-prefixgate-route"]
     matched = int(route.rsplit("matched=", 1)[1].split("/")[0])
-    assert matched >= 20, route
+    assert matched >= 30, route  # of 33 blocks
     stats = httpx.get(gateway.url + "/router/stats").json()["replicas"]
     holders = [rid for rid, v in stats.items() if v["blocks"] > 0]
     assert raw.headers["x-prefixgate-replica"] in holders, (route, holders)
