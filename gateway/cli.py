@@ -21,6 +21,7 @@ from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from prefixgate.open_files import prepare_open_files
+from prefixgate.root_path import add_root_path_flag, root_prefix, with_root_path
 from prefixgate.tls import add_client_tls_flags, add_server_tls_flags, server_tls_options
 from router.config import RouterConfig, with_options
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_client_tls_flags(p, "upstream", "replicas")
     add_server_tls_flags(p)
+    add_root_path_flag(p)
     add_env_list_flag(p, "model", help="model assumed for static replicas that do not say")
     add_env_list_flag(
         p,
@@ -250,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         origins = allowed_origins(args.allowed_origins)
+        root_prefix(args.root_path)  # checked here: a bad one stops the command
         if not (math.isfinite(args.keep_alive_s) and args.keep_alive_s > 0):
             raise ValueError(f"--keep-alive-s must be a positive number, got {args.keep_alive_s}")
         # Checked before this, which changes the process: two descriptors per client,
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server = Server(
         uvicorn.Config(
-            with_cors(Guard(create_app(config), guard), origins),
+            with_root_path(with_cors(Guard(create_app(config), guard), origins), args.root_path),
             host=config.host,
             port=config.port,
             log_level=args.log_level,

@@ -25,6 +25,7 @@ from prefixgate.envflags import add_env_flag, env_list
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from prefixgate.open_files import prepare_open_files
+from prefixgate.root_path import add_root_path_flag, root_prefix, with_root_path
 from prefixgate.tls import add_server_tls_flags, served_scheme, server_tls_options
 from replica.chat_flags import add_chat_flags, apply_chat_template_flag
 from replica.eviction import POLICY_NAMES
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_http_limit_flags(p, send_timeout_s=None)  # its client is a gateway (http_limits.py)
     add_server_tls_flags(p)
+    add_root_path_flag(p)
     add_chat_flags(p)
     add_sim_flags(p)
     add_env_flag(
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         limits = http_limits_from_args(args, open_files.max_connections)
         guard = GuardConfig(max_body_bytes=int(args.max_body_mb * 1024 * 1024))
         tls = server_tls_options(args)
+        root_prefix(args.root_path)  # checked before the model loads
     except ValueError as exc:
         print(f"prefixgate replica: {exc}", file=sys.stderr)
         return 2
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         aliases=tuple(dict.fromkeys(a for a in aliases if a != served_name)),
         root=model_root(args.model),
     )
-    app = Guard(create_app(replica), guard)
+    app = with_root_path(Guard(create_app(replica), guard), args.root_path)
     config = uvicorn.Config(
         app,
         host=args.host,
