@@ -180,6 +180,15 @@ class KeyBuilder:
                 continue
             if source != model:
                 log.info("tokenizer of model %r: %s", model, source)
+            if not getattr(tokenizer, "has_chat_template", True):
+                log.warning(
+                    "the tokenizer of model %r (%s) has no chat template: its chats are keyed "
+                    "by bytes and left to the engines' template; give the gateway the "
+                    "engines' --chat-template %s=FILE",
+                    model,
+                    source,
+                    model,
+                )
             self._tokenizers[model] = tokenizer
             del self._tried[model]
             return tokenizer
@@ -248,6 +257,8 @@ class KeyBuilder:
             tokenizer = self._tokenizers[model]
         memo = self.memo
         chat = request if isinstance(request, ChatCompletionRequest) else None
+        if chat is not None and not getattr(tokenizer, "has_chat_template", True):
+            tokenizer = None  # the engine renders with its own: never refused here for it
         size = body_bytes if chat is not None and body_bytes is not None else _prompt_chars(request)
         if size <= self._inline_chars:
             return prompt_keys(request, tokenizer, space_model, block_size, salt, memo)

@@ -148,6 +148,10 @@ class SegmentCache:
     def encode_input(self, chat: ChatInput) -> list[int]:
         return self.encode_rendered(self.inner.render(chat))
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.inner, "has_chat_template", True))
+
     def render(self, chat: ChatInput) -> str:
         """``encode_input``'s first half: the chat's prompt text."""
         return self.inner.render(chat)

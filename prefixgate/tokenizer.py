@@ -226,6 +226,10 @@ class ChatTokenizer:
         )
 
     @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    @property
     def template_ignores_tools(self) -> bool:
         """The template never reads ``tools``: tool definitions do not reach the prompt."""
         return self._template is not None and "tools" not in self.template_reads

@@ -91,6 +91,26 @@ def test_a_hub_models_tokenizer_comes_from_the_hugging_face_cache(offline_hub: P
         ensure_tokenizer_dir("acme/absent")  # offline and not cached: said, not a crash
 
 
+def test_a_tokenizer_without_a_chat_template_keys_chats_by_bytes(
+    offline_hub: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A base model's tokenizer, or a vision model's whose template is its processor's,
+    has no chat template; its engines render chats with their own (vLLM's
+    --chat-template). The gateway answered every chat for such a model 400 "has no chat
+    template", a chat the engine would have served."""
+    from prefixgate.wire import ChatCompletionRequest
+
+    builder = KeyBuilder()  # the gateway's own loader, over the Hub cache: no template
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "acme/tiny", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    keyed = asyncio.run(builder.keys(chat, "acme/tiny", 16, ""))
+    assert not keyed.tokenized and keyed.prompt_tokens > 0
+    assert "has no chat template" in caplog.text and "--chat-template acme/tiny=FILE" in caplog.text
+    completion = CompletionRequest(model="acme/tiny", prompt="plain text " * 20)
+    assert asyncio.run(builder.keys(completion, "acme/tiny", 16, "")).tokenized
+
+
 class Loads:
     """A loader that loads the sources in ``good`` and records every attempt."""
 
