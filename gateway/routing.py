@@ -167,9 +167,14 @@ class KeyBuilder:
         """The model's tokenizer, or None when it has none we can load (byte keys)."""
         if model in self._tokenizers and not self.stale(model):
             return self._tokenizers[model]
+        return self._load_from(model, self.sources(model))
+
+    def _load_from(self, model: str, sources: list[str]) -> Tokenizer | None:
+        """``tokenizer_for`` from ``sources`` not tried yet; run in a worker thread, so
+        the sources come from the event loop (the replicas' cards change there)."""
         tried = self._tried.setdefault(model, set())
         failures = []
-        for source in self.sources(model):
+        for source in sources:
             if source in tried:
                 continue
             try:
@@ -224,7 +229,7 @@ class KeyBuilder:
 
     async def _load(self, model: str) -> None:
         try:
-            await asyncio.to_thread(self.tokenizer_for, model)
+            await asyncio.to_thread(self._load_from, model, self.sources(model))
         finally:
             del self._loading[model]
 
