@@ -96,6 +96,22 @@ async def engine_model_name(client: httpx.AsyncClient, engine_url: str) -> str:
     return str(reply.json()["data"][0]["id"])
 
 
+async def engine_card(
+    engine_url: str, api_key: str | None, tls: ssl.SSLContext | None
+) -> dict[str, Any]:
+    """The engine's first model card (``/v1/models``): its served name and ``root``."""
+    async with httpx.AsyncClient(
+        timeout=30.0,
+        headers=engine_headers(api_key),
+        trust_env=False,
+        verify=tls or client_context(),
+    ) as client:
+        reply = await client.get(f"{engine_url}/v1/models")
+        reply.raise_for_status()
+        card: dict[str, Any] = reply.json()["data"][0]
+        return card
+
+
 async def engine_tokens(
     client: httpx.AsyncClient, engine_url: str, model: str, chat: Chat
 ) -> list[int]:
@@ -167,7 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_env_flag(p, "engine-url", help="the engine's OpenAI server, e.g. http://127.0.0.1:8001")
     add_env_flag(
-        p, "model", help="the gateway's tokenizer: a builtin model, a model folder or a Hub id"
+        p,
+        "model",
+        help="the gateway's tokenizer: a builtin model, a model folder or a Hub id (default: "
+        "the engine's served name, else its card's root, as the gateway tries them)",
     )
     add_env_flag(
         p, "served-model", help="model name to send the engine (default: its first /v1/models)"
@@ -187,13 +206,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.engine_url or not args.model:
-        parser.error("--engine-url and --model are required")
+    if not args.engine_url:
+        parser.error("--engine-url is required")
     try:
         key = engine_api_key(args.engine_api_key)
         tls = client_tls_from_args(args, "engine")
         template = read_chat_template_file(args.chat_template) if args.chat_template else None
-        tokenizer = load_tokenizer(args.model, template)
+        if args.model:
+            tokenizer = load_tokenizer(args.model, template)
+        else:
+            card = asyncio.run(engine_card(args.engine_url.rstrip("/"), key, tls))
+            root = card.get("root")
+            sources = [str(card["id"]), *([root] if isinstance(root, str) and root else [])]
+            tokenizer, source = load_first(list(dict.fromkeys(sources)), template)
+            print(f"the gateway's tokenizer: {source}")
         results = asyncio.run(
             check(args.engine_url, tokenizer, args.served_model, api_key=key, tls=tls)
         )

@@ -227,6 +227,20 @@ async def test_the_bridges_check_finds_the_tokenizer_by_the_engines_root(
         engine.stop()
 
 
+def test_check_tokenizer_without_model_tries_the_engines_name_then_its_root(
+    tokenizer: ChatTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = FakeEngineHTTP(model="chat", tokenize=tokenizer.encode_chat, root="tiny-random")
+    engine.start()
+    try:
+        code = tokenizer_check.main(["--engine-url", engine.url])
+    finally:
+        engine.stop()
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "the gateway's tokenizer: tiny-random" in out and "FAIL" not in out
+
+
 def test_load_first_takes_the_first_source_that_loads() -> None:
     tokenizer, source = tokenizer_check.load_first(["chat", "tiny-random", "smollm2-135m"])
     assert source == "tiny-random" and tokenizer.encode("hi")
