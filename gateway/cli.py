@@ -140,39 +140,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def per_model_flag(flag: str, what: str, values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """A repeatable ``--FLAG WHAT`` (every model) and ``--FLAG MODEL=WHAT`` (that model)."""
+    every: str | None = None
+    per_model: dict[str, str] = {}
+    for value in values:
+        model, sep, given = value.partition("=")
+        if sep and not (model and given):
+            raise ValueError(f"--{flag} {value}: give MODEL={what} or {what}")
+        if sep:
+            per_model[model] = given
+        elif every is not None:
+            raise ValueError(f"--{flag} {what} given twice; use MODEL={what} per model")
+        else:
+            every = value
+    return every, per_model
+
+
 def chat_template_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]]:
     """``--chat-template FILE`` (every model) and ``--chat-template MODEL=FILE``."""
-    every: Path | None = None
-    per_model: dict[str, Path] = {}
-    for value in values:
-        model, sep, file = value.partition("=")
-        path = Path(file if sep else value)
-        if not path.is_file():
-            raise ValueError(f"--chat-template {value}: no such file {path}")
-        if sep:
-            per_model[model] = path
-        elif every is not None:
-            raise ValueError("--chat-template FILE given twice; use MODEL=FILE per model")
-        else:
-            every = path
-    return every, per_model
+    every, per_model = per_model_flag("chat-template", "FILE", values)
+    for file in [every, *per_model.values()]:
+        if file is not None and not Path(file).is_file():
+            raise ValueError(f"--chat-template {file}: no such file")
+    paths = {model: Path(file) for model, file in per_model.items()}
+    return (Path(every) if every is not None else None), paths
 
 
 def tokenizer_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
     """``--tokenizer SRC`` (every model) and ``--tokenizer MODEL=SRC``."""
-    every: str | None = None
-    per_model: dict[str, str] = {}
-    for value in values:
-        model, sep, source = value.partition("=")
-        if sep and not (model and source):
-            raise ValueError(f"--tokenizer {value}: give MODEL=SRC or SRC")
-        if sep:
-            per_model[model] = source
-        elif every is not None:
-            raise ValueError("--tokenizer SRC given twice; use MODEL=SRC per model")
-        else:
-            every = value
-    return every, per_model
+    return per_model_flag("tokenizer", "SRC", values)
 
 
 def allowed_origins(value: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gateway.cli import build_parser, config_from_args
@@ -61,3 +63,24 @@ def test_a_replica_url_the_http_client_cannot_use_is_refused_at_start() -> None:
     for bad in ("http://[::1", "127.0.0.1:8001", "http://host:99999"):
         with pytest.raises(ValueError, match="replica URL"):
             config_from_args(build_parser().parse_args(["--replica", bad]))
+
+
+def test_per_model_flags_take_one_for_every_model_and_one_per_model(tmp_path: Any) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    templates = ["--chat-template", str(template), "--chat-template", f"qwen={template}"]
+    tokenizers = ["--tokenizer", "acme/base", "--tokenizer", "chat=/srv/llama"]
+    args = build_parser().parse_args([*templates, *tokenizers])
+    config = config_from_args(args)
+    assert (config.chat_template, config.model_chat_templates) == (template, {"qwen": template})
+    assert (config.tokenizer, config.model_tokenizers) == ("acme/base", {"chat": "/srv/llama"})
+    for flags, says in (
+        (["--chat-template", str(tmp_path / "absent")], "no such file"),
+        (["--chat-template", f"m={tmp_path / 'absent'}"], "no such file"),
+        (["--chat-template", str(template), "--chat-template", str(template)], "twice"),
+        (["--tokenizer", "a", "--tokenizer", "b"], "twice"),
+        (["--tokenizer", "=b"], "MODEL=SRC"),
+        (["--tokenizer", "m="], "MODEL=SRC"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            config_from_args(build_parser().parse_args(flags))
