@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,20 @@ def engine(tokenizer: ChatTokenizer) -> Iterator[FakeEngineHTTP]:
     server.start()
     yield server
     server.stop()
+
+
+async def parity_checked(config: Any) -> bool | None:
+    """What a bridge started with ``config`` found in its start-up parity check."""
+    from bridge.service import Bridge
+    from tests.conftest import wait_until_async
+
+    bridge = Bridge(config)
+    await bridge.start()
+    try:
+        await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
+        return bridge.stats.tokenizer_ok
+    finally:
+        await bridge.stop()
 
 
 def test_same_tokenizer_passes_every_case(
@@ -97,9 +112,8 @@ async def test_the_bridge_checks_parity_at_start_and_logs_a_mismatch_loudly(
     tokenizer: ChatTokenizer,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from bridge.service import Bridge, BridgeConfig
+    from bridge.service import BridgeConfig
     from prefixgate.procs import free_port
-    from tests.conftest import wait_until_async
 
     engine.tokenize = lambda messages: [1, *tokenizer.encode_chat(messages)]
     config = BridgeConfig(
@@ -110,14 +124,8 @@ async def test_the_bridge_checks_parity_at_start_and_logs_a_mismatch_loudly(
         tokenizer="tiny-random",
         heartbeat_s=0.1,
     )
-    bridge = Bridge(config)
-    await bridge.start()
-    try:
-        await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
-        assert bridge.stats.tokenizer_ok is False
-        assert "TOKENIZER MISMATCH" in caplog.text and "FAIL  system prompt" in caplog.text
-    finally:
-        await bridge.stop()
+    assert await parity_checked(config) is False
+    assert "TOKENIZER MISMATCH" in caplog.text and "FAIL  system prompt" in caplog.text
 
 
 TEMPLATE = (
@@ -175,9 +183,8 @@ def test_the_bridge_takes_the_template_and_media_flags(tmp_path: Path) -> None:
 async def test_the_bridges_start_up_check_uses_its_chat_template(
     anyio_backend: str, engine: FakeEngineHTTP
 ) -> None:
-    from bridge.service import Bridge, BridgeConfig
+    from bridge.service import BridgeConfig
     from prefixgate.procs import free_port
-    from tests.conftest import wait_until_async
 
     templated = ChatTokenizer.for_model("tiny-random")
     templated.set_chat_template(TEMPLATE)
@@ -191,13 +198,7 @@ async def test_the_bridges_start_up_check_uses_its_chat_template(
         chat_template=TEMPLATE,
         heartbeat_s=0.1,
     )
-    bridge = Bridge(config)
-    await bridge.start()
-    try:
-        await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
-        assert bridge.stats.tokenizer_ok is True
-    finally:
-        await bridge.stop()
+    assert await parity_checked(config) is True
 
 
 @pytest.mark.anyio
@@ -208,22 +209,17 @@ async def test_the_bridges_check_finds_the_tokenizer_by_the_engines_root(
     """An engine serving ``--served-model-name chat`` lists what it was started from as
     its card's root: the check tries it after the served name, as the gateway does (it
     was not checked at all: no tokenizer named ``chat``)."""
-    from bridge.service import Bridge, BridgeConfig
+    from bridge.service import BridgeConfig
     from prefixgate.procs import free_port
-    from tests.conftest import wait_until_async
 
     engine = FakeEngineHTTP(model="chat", tokenize=tokenizer.encode_chat, root="tiny-random")
     engine.start()
     config = BridgeConfig(
         engine.url, f"tcp://127.0.0.1:{free_port()}", "redis://127.0.0.1:1/0", heartbeat_s=0.1
     )
-    bridge = Bridge(config)
-    await bridge.start()
     try:
-        await wait_until_async(lambda: bridge.stats.tokenizer_ok is not None, 30, "the check")
-        assert bridge.stats.tokenizer_ok is True
+        assert await parity_checked(config) is True
     finally:
-        await bridge.stop()
         engine.stop()
 
 
