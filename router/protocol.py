@@ -279,16 +279,25 @@ def http_url(url: str, what: str) -> str:
 
 def redacted_url(url: str) -> str:
     """``url`` fit for a log line: a password in it (``redis://:secret@host``, a managed
-    Redis's URL) replaced by ``***``."""
+    Redis's URL) replaced by ``***``, and so is the value of a query parameter redis-py
+    reads as one (``?password=``, ``?ssl_password=``, the client key's passphrase)."""
     try:
         parts = urlsplit(url)
     except ValueError:  # "redis://[::1", say: no telling where a password would be
         return "<a URL that does not parse>"
+    redacted = parts
     userinfo, at, host = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if at and ":" in userinfo:
+        user = userinfo.split(":", 1)[0]
+        redacted = redacted._replace(netloc=f"{user}:***@{host}")
+    if parts.query:
+        fields = [field.partition("=") for field in parts.query.split("&")]
+        query = "&".join(
+            name + eq + ("***" if eq and "password" in name.lower() else value)
+            for name, eq, value in fields
+        )
+        redacted = redacted._replace(query=query)
+    return url if redacted == parts else urlunsplit(redacted)
 
 
 def _load_count(value: object) -> int:

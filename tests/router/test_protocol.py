@@ -397,6 +397,12 @@ def test_encoders_refuse_full_keys() -> None:
         ("redis://redis:6379/0", "redis://redis:6379/0"),
         ("unix:///tmp/redis.sock", "unix:///tmp/redis.sock"),
         ("redis://:s3cret@[::1", "<a URL that does not parse>"),
+        # redis-py reads these query parameters as the password and the key's passphrase
+        (
+            "rediss://h:6380/0?password=s3cret&ssl_ca_certs=/ca.pem&ssl_password=kp",
+            "rediss://h:6380/0?password=***&ssl_ca_certs=/ca.pem&ssl_password=***",
+        ),
+        ("rediss://h:6380/0?ssl_cert_reqs=none", "rediss://h:6380/0?ssl_cert_reqs=none"),
     ],
 )
 def test_a_url_is_logged_without_its_password(url: str, logged: str) -> None:
