@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from prefixgate.models import is_builtin, is_hub_id, model_dir
+from prefixgate.models import is_builtin, model_dir, on_the_hub
 
 ENGINES = ("prefixgate", "vllm")
 
@@ -31,7 +31,7 @@ class EnginePorts(NamedTuple):
 def engine_model_path(model: str) -> Path | str:
     """What the engine loads: a builtin model's converted folder, the folder, or a Hub id
     as given (the engine fetches the model; bridges and gateway fetch its tokenizer)."""
-    if is_hub_id(model) and not Path(model).expanduser().is_dir():
+    if on_the_hub(model):
         return model
     path = model_dir(model)
     if is_builtin(model) and not (path / "config.json").is_file():

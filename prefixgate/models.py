@@ -139,6 +139,11 @@ def publish_dir(final: Path, build: Callable[[Path], None]) -> Path:
     return final
 
 
+def on_the_hub(name: str) -> bool:
+    """``name`` is a Hub id (``is_hub_id``) and no local folder of that relative path."""
+    return is_hub_id(name) and not Path(name).expanduser().is_dir()
+
+
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` reads as a Hugging Face Hub model id, ``org/name``: how vLLM and
     SGLang users name models (``--model Qwen/Qwen2.5-7B-Instruct``), and vLLM's default
@@ -170,7 +175,10 @@ def hub_snapshot(repo_id: str, patterns: tuple[str, ...], what: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=list(patterns)))
+        # The top folder only: some repositories keep other formats in folders of their own.
+        return Path(
+            snapshot_download(repo_id, allow_patterns=list(patterns), ignore_patterns=["*/*"])
+        )
     except Exception as exc:  # offline and not cached, no such repo, gated, network
         first_line = (str(exc).splitlines() or [""])[0]
         raise ModelNotFoundError(
@@ -184,7 +192,7 @@ def ensure_tokenizer_dir(name_or_path: str) -> Path:
     extracted from its GGUF into the cache the first time, torch-free), a local folder,
     or a Hub model's (``hub_tokenizer_dir``) when ``name_or_path`` is no local folder."""
     if not is_builtin(name_or_path) and name_or_path != SIM_MODEL:
-        if is_hub_id(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+        if on_the_hub(name_or_path):
             return hub_tokenizer_dir(name_or_path)
         path = model_dir(name_or_path)
         if not (path / "tokenizer.json").is_file():

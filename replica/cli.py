@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,10 +39,10 @@ def model_root(model: str) -> str:
     """The ``root`` of the model cards: what the model was started from, as vLLM lists
     its ``--model`` (a gateway loads the tokenizer from it when a served name is none);
     a folder by its absolute path."""
-    from prefixgate.models import is_builtin, model_dir
+    from prefixgate.models import is_builtin, model_dir, on_the_hub
 
-    if is_builtin(model) or model == SIM_MODEL or not Path(model).expanduser().is_dir():
-        return model  # a builtin name, or a Hub id
+    if is_builtin(model) or model == SIM_MODEL or on_the_hub(model):
+        return model
     return str(model_dir(model))
 
 

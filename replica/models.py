@@ -31,8 +31,8 @@ from prefixgate.models import (
     ensure_tokenizer_dir,
     hub_model_dir,
     is_builtin,
-    is_hub_id,
     model_dir,
+    on_the_hub,
     publish_dir,
     smollm2_gguf_path,
 )
@@ -154,7 +154,7 @@ BUILDERS = {"tiny-random": build_tiny_random, "smollm2-135m": convert_smollm2}
 def ensure_model_dir(name_or_path: str) -> Path:
     """The model's HF folder, built into the cache first for a builtin name, fetched into
     the Hugging Face cache first for a Hub id (``org/name``) that is no local folder."""
-    if is_hub_id(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+    if on_the_hub(name_or_path):
         return hub_model_dir(name_or_path)
     path = model_dir(name_or_path)
     if is_builtin(name_or_path):
