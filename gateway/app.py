@@ -202,8 +202,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await probe_all(state)  # before serving: the replicas that answer take traffic at once
     # Aliases and adapters are tokenized as the model they are served by; after the probe,
     # which read the answering replicas' model cards (a card's root: a tokenizer source).
-    for model in {*config.models, *(v.model for v in state.router.replicas.values() if v.model)}:
-        await state.keys.preload(model)
+    served = {*config.models, *(v.model for v in state.router.replicas.values() if v.model)}
+    await asyncio.gather(*(state.keys.preload(model) for model in served))  # fetches at once
     state.tasks.append(asyncio.create_task(probe_loop(state)))
     state.tasks.append(asyncio.create_task(names_loop(state)))
     if state.keys_file is not None:  # keys revoked or added on disk are used at once

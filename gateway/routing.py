@@ -29,6 +29,7 @@ message that carries one, and by its own bytes from there on (see ``media_split`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -64,6 +65,9 @@ class PieceTokenizer(Tokenizer, Protocol):
     def uncached_chars(self, text: str) -> int: ...
 
 
+# The longest a request waits for its model's first tokenizer load (a Hub fetch may take
+# up to models.HUB_TIMEOUT_S): past it, keyed by bytes while the load goes on.
+REQUEST_LOAD_WAIT_S = 5.0
 RENDER_INLINE_FACTOR = 4  # a chat up to 4 x inline_chars is rendered on the event loop
 ROUTE_HEAD_CHARS = 512 * 1024  # a longer prompt is keyed by its head (``_head_ids``)
 _HEAD_CUT_BLOCKS = 2
@@ -106,7 +110,8 @@ class KeyBuilder:
     their model cards (vLLM's and SGLang's ``--model``: a served name like ``chat`` is
     no tokenizer, the model it was started from is). A model none of whose sources loads
     is keyed by bytes; it is tried again when its replicas name a source not tried yet,
-    in the background (``load_soon``): no request waits for it."""
+    in the background (``load_soon``): no request waits for it. A request waits for its
+    model's first load at most ``REQUEST_LOAD_WAIT_S``, keyed by bytes past it."""
 
     __slots__ = (
         "_chat_template",
@@ -184,7 +189,8 @@ class KeyBuilder:
                 failures.append(f"{source}: {exc}")
                 continue
             if source != model:
-                log.info("tokenizer of model %r: %s", model, source)
+                tried_first = f" ({'; '.join(failures)})" if failures else ""
+                log.info("tokenizer of model %r: %s%s", model, source, tried_first)
             if not getattr(tokenizer, "has_chat_template", True):
                 log.warning(
                     "the tokenizer of model %r (%s) has no chat template: its chats are keyed "
@@ -211,12 +217,13 @@ class KeyBuilder:
     def chat_template_for(self, model: str) -> str | None:
         return self._chat_templates.get(model, self._chat_template)
 
-    async def preload(self, model: str) -> None:
+    async def preload(self, model: str, wait_s: float | None = None) -> None:
         """Load ``model``'s tokenizer (in a thread) unless loaded or nothing new to try;
-        callers at once share one load."""
+        callers at once share one load. ``wait_s``: wait no longer (the load goes on)."""
         task = self.load_soon(model)
         if task is not None:
-            await asyncio.shield(task)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), wait_s)
 
     def load_soon(self, model: str) -> asyncio.Task[None] | None:
         """Start loading ``model``'s tokenizer in a thread when it is due (never tried, or
@@ -255,11 +262,11 @@ class KeyBuilder:
         if not served:
             tokenizer = self._tokenizers.get(model)
         else:
-            if model not in self._tokenizers:
-                await self.preload(model)
+            if model not in self._tokenizers:  # a model first served since the start
+                await self.preload(model, REQUEST_LOAD_WAIT_S)
             elif self.stale(model):  # its replicas named a source since: try it, not waiting
                 self.load_soon(model)
-            tokenizer = self._tokenizers[model]
+            tokenizer = self._tokenizers.get(model)  # none yet: keyed by bytes meanwhile
         memo = self.memo
         chat = request if isinstance(request, ChatCompletionRequest) else None
         if chat is not None and not getattr(tokenizer, "has_chat_template", True):

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +48,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 HUB_TOKENIZER_FILES = (*TOKENIZER_FILES, "generation_config.json")
 # ... and what the built-in replica loads of one: configuration, safetensors weights.
 HUB_MODEL_FILES = (*HUB_TOKENIZER_FILES, "*.json", "*.safetensors")
+# How long a tokenizer's fetch from the Hub may take (PREFIXGATE_HUB_TIMEOUT_S).
+HUB_TIMEOUT_S = 30.0
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
@@ -152,10 +155,44 @@ def is_hub_id(name: str) -> bool:
     return HUB_ID.fullmatch(name) is not None and ".." not in name
 
 
-def hub_tokenizer_dir(repo_id: str) -> Path:
+def hub_timeout_s() -> float:
+    """``$PREFIXGATE_HUB_TIMEOUT_S``, else ``HUB_TIMEOUT_S``."""
+    raw = os.environ.get("PREFIXGATE_HUB_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else HUB_TIMEOUT_S
+    except ValueError:
+        return HUB_TIMEOUT_S
+    return value if 0 < value < float("inf") else HUB_TIMEOUT_S
+
+
+def hub_tokenizer_dir(repo_id: str, timeout_s: float | None = None) -> Path:
     """The tokenizer files of a Hub model, fetched once into the Hugging Face cache (only
-    those files: a few MB, not the weights)."""
-    path = hub_snapshot(repo_id, HUB_TOKENIZER_FILES, "tokenizer")
+    those files: a few MB, not the weights), given up after ``timeout_s`` (default
+    ``hub_timeout_s()``): ``huggingface_hub`` sets no timeout on its calls, so a proxy
+    or firewall that takes a connection and never answers held the fetch, and a gateway
+    waiting for it, for ever. A fetch given up on goes on in its thread and fills the
+    cache if it ever ends."""
+    found: list[Path] = []
+    failed: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            found.append(hub_snapshot(repo_id, HUB_TOKENIZER_FILES, "tokenizer"))
+        except BaseException as exc:  # handed to the caller
+            failed.append(exc)
+
+    limit = hub_timeout_s() if timeout_s is None else timeout_s
+    thread = threading.Thread(target=fetch, name=f"hub-fetch {repo_id}", daemon=True)
+    thread.start()
+    thread.join(limit)
+    if failed:
+        raise failed[0]
+    if not found:
+        raise ModelNotFoundError(
+            f"the tokenizer of Hugging Face model {repo_id!r} could not be fetched: no "
+            f"answer from the Hub within {limit:g} s (PREFIXGATE_HUB_TIMEOUT_S)"
+        )
+    path = found[0]
     if not (path / "tokenizer.json").is_file():
         raise ModelNotFoundError(f"Hugging Face model {repo_id!r} has no tokenizer.json")
     return path

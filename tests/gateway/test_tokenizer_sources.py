@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +29,12 @@ import openai
 import pytest
 
 from gateway.routing import KeyBuilder
-from prefixgate.models import ModelNotFoundError, ensure_tokenizer_dir, is_hub_id
+from prefixgate.models import (
+    ModelNotFoundError,
+    ensure_tokenizer_dir,
+    hub_tokenizer_dir,
+    is_hub_id,
+)
 from prefixgate.procs import free_port
 from prefixgate.wire import CompletionRequest
 from tests.conftest import RedisServer, wait_until
@@ -109,6 +116,62 @@ def test_a_tokenizer_without_a_chat_template_keys_chats_by_bytes(
     assert "has no chat template" in caplog.text and "--chat-template acme/tiny=FILE" in caplog.text
     completion = CompletionRequest(model="acme/tiny", prompt="plain text " * 20)
     assert asyncio.run(builder.keys(completion, "acme/tiny", 16, "")).tokenized
+
+
+@pytest.fixture
+def silent_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A Hub endpoint that takes connections and never answers (a proxy or firewall that
+    holds them), and an empty Hugging Face cache."""
+    from huggingface_hub import constants
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield url
+    listener.close()  # the fetch given up on then ends, its connection refused or reset
+
+
+def test_a_hub_that_never_answers_is_given_up_on(silent_hub: str) -> None:
+    """huggingface_hub sets no timeout: the fetch waited for ever, and a gateway started
+    for such a model never became ready."""
+    started = time.monotonic()
+    with pytest.raises(ModelNotFoundError, match="no answer from the Hub within 1 s"):
+        hub_tokenizer_dir("acme/held", 1.0)
+    assert time.monotonic() - started < 5
+
+
+def test_a_request_waits_for_a_slow_first_load_only_so_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway import routing
+
+    monkeypatch.setattr(routing, "REQUEST_LOAD_WAIT_S", 0.2)
+    release = threading.Event()
+    loads = Loads("slow")
+
+    def slow(source: str, chat_template: str | None) -> Any:
+        release.wait(30)
+        return loads(source, chat_template)
+
+    builder = KeyBuilder(loader=slow)
+    request = CompletionRequest(model="slow", prompt="a prompt of some words " * 8)
+
+    async def run() -> None:
+        started = time.monotonic()
+        first = await builder.keys(request, "slow", 16, "")
+        assert not first.tokenized and time.monotonic() - started < 5  # not held
+        release.set()
+        task = builder.load_soon("slow")
+        assert task is not None  # the load it started, still under way
+        await task
+        assert (await builder.keys(request, "slow", 16, "")).tokenized
+        assert loads.calls == ["slow"]  # one load for both requests
+
+    asyncio.run(run())
 
 
 class Loads:
@@ -257,3 +320,35 @@ def test_a_served_name_is_keyed_by_the_tokenizer_its_root_names(
     details = usage.prompt_tokens_details if usage is not None else None
     assert details is not None and (details.cached_tokens or 0) >= 320
     assert "routing on prompt bytes" not in gateway.log_text()
+
+
+def test_a_gateway_starts_and_serves_while_the_hub_never_answers(tmp_path: Path) -> None:
+    """A replica serving a model named by its Hub id, a gateway whose Hub takes connections
+    and never answers: the gateway is ready once the fetch is given up on, and serves,
+    keying by bytes. It never became ready before (the fetch had no timeout)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    cache = tmp_path / "replica-hub"
+    model = tiny_random_dir()
+    fill_hub_cache(cache, "acme/tiny", model, sorted(p.name for p in model.iterdir()))
+    replica_env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    env = {"HF_ENDPOINT": f"http://127.0.0.1:{listener.getsockname()[1]}", "HF_HUB_OFFLINE": "0"}
+    env |= {"HF_HUB_CACHE": str(tmp_path / "gateway-hub"), "PREFIXGATE_HUB_TIMEOUT_S": "2"}
+    port = free_port()
+    args = ["-m", "prefixgate", "replica", "--model", "acme/tiny", "--port", str(port)]
+    replica = start(args, port, tmp_path, "replica", env=replica_env)
+    gateway = None
+    try:
+        started = time.monotonic()
+        gateway = start_gateway(tmp_path, "gateway", [replica.url], env=env)
+        assert time.monotonic() - started < 30
+        body = {"model": "acme/tiny", "prompt": "hello", "max_tokens": 2}
+        answer = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert "no answer from the Hub within 2 s" in gateway.log_text()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        replica.stop()
+        listener.close()
