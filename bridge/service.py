@@ -243,7 +243,15 @@ class Bridge:
                 root = card.get("root")  # what vLLM and SGLang were started from
                 self.engine_root = root if isinstance(root, str) and root else None
                 return str(card["id"])
-            except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            # (a list that is no list of cards: waited on as an engine not up yet)
+            except (
+                httpx.HTTPError,
+                ValueError,
+                KeyError,
+                IndexError,
+                TypeError,
+                AttributeError,
+            ) as exc:
                 if time.monotonic() >= next_note:
                     waited = time.monotonic() - started
                     if _refused(exc):  # waiting will not help: say which flag will

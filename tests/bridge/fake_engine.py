@@ -283,6 +283,7 @@ class FakeEngineHTTP:
     ) -> None:
         self.model = model
         self.root = root  # the card's root (vLLM's --model); None: no root listed
+        self.models_body: bytes | None = None  # /v1/models answered with this instead
         self.event_sources = event_sources
         self.api_key = api_key
         self.tls = tls
@@ -328,6 +329,9 @@ class FakeEngineHTTP:
                 elif self.path == "/health":
                     self._reply(200, b"")
                 elif self.path == "/v1/models":
+                    if engine.models_body is not None:
+                        self._reply(200, engine.models_body)
+                        return
                     card = {"id": engine.model, "object": "model"}
                     if engine.root is not None:
                         card["root"] = engine.root

@@ -237,6 +237,32 @@ def test_check_tokenizer_without_model_tries_the_engines_name_then_its_root(
     assert "the gateway's tokenizer: tiny-random" in out and "FAIL" not in out
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_model_list_of_no_cards_is_waited_on_not_a_crash(anyio_backend: str) -> None:
+    """``/v1/models`` answering a list of strings, or a card that is a list, raised out of
+    the bridge's wait for its engine's model (a TypeError): the bridge never started."""
+    import asyncio
+
+    from bridge.service import Bridge, BridgeConfig
+    from prefixgate.procs import free_port
+
+    engine = FakeEngineHTTP(model="chat")
+    engine.start()
+    try:
+        config = BridgeConfig(engine.url, f"tcp://127.0.0.1:{free_port()}", "redis://r:1/0")
+        bridge = Bridge(config)
+        for junk in (b'{"data": ["chat"]}', b'{"data": [["chat"]]}', b'{"data": 7}'):
+            engine.models_body = junk
+            with pytest.raises(TimeoutError):  # still waiting, as for an engine not up
+                await asyncio.wait_for(bridge._wait_for_model(), 1.0)
+        engine.models_body = None
+        assert await asyncio.wait_for(bridge._wait_for_model(), 10) == "chat"
+        await bridge.stop()
+    finally:
+        engine.stop()
+
+
 def test_load_first_takes_the_first_source_that_loads() -> None:
     tokenizer, source = tokenizer_check.load_first(["chat", "tiny-random", "smollm2-135m"])
     assert source == "tiny-random" and tokenizer.encode("hi")
