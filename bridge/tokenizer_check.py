@@ -108,7 +108,10 @@ async def engine_card(
     ) as client:
         reply = await client.get(f"{engine_url}/v1/models")
         reply.raise_for_status()
-        card: dict[str, Any] = reply.json()["data"][0]
+        data = reply.json().get("data") if isinstance(reply.json(), dict) else None
+        card = data[0] if isinstance(data, list) and data else None
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+            raise ValueError(f"{engine_url}/v1/models lists no model card")
         return card
 
 

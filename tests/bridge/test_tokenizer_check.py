@@ -235,6 +235,14 @@ def test_check_tokenizer_without_model_tries_the_engines_name_then_its_root(
     out = capsys.readouterr().out
     assert code == 0, out
     assert "the gateway's tokenizer: tiny-random" in out and "FAIL" not in out
+    junk = FakeEngineHTTP(model="chat")
+    junk.models_body = b'{"data": ["chat"]}'
+    junk.start()
+    try:
+        assert tokenizer_check.main(["--engine-url", junk.url]) == 2
+    finally:
+        junk.stop()
+    assert "lists no model card" in capsys.readouterr().err
 
 
 @pytest.mark.anyio
