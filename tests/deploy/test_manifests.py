@@ -155,6 +155,10 @@ def test_gateway_scales_out_behind_a_service() -> None:
     pause = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pause[0] == "sleep" and int(pause[1]) > 0
     assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(pause[1])
+    # Its start may wait for a Hub model's tokenizer (up to 30 s): the liveness probe, with
+    # no startup probe before it, killed it first (3 failures 10 s apart).
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
 
 
 def test_workloads_read_settings_from_the_configmap_that_exists() -> None:
