@@ -264,7 +264,7 @@ class KeyBuilder:
         else:
             if model not in self._tokenizers:  # a model first served since the start
                 await self.preload(model, REQUEST_LOAD_WAIT_S)
-            elif self.stale(model):  # its replicas named a source since: try it, not waiting
+            else:  # its replicas may have named a source since (``stale``): tried, not waited on
                 self.load_soon(model)
             tokenizer = self._tokenizers.get(model)  # none yet: keyed by bytes meanwhile
         memo = self.memo
