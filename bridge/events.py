@@ -14,7 +14,7 @@ are read here:
 Tags and fields (declaration order):
 
     BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-                     medium, lora_name, extra_keys, group_idx, ...
+                     medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...
     BlockRemoved     block_hashes, medium, group_idx
     AllBlocksCleared (none)
 
@@ -47,6 +47,7 @@ STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
 )
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
@@ -65,6 +66,9 @@ class BlockStored(NamedTuple):
     # One entry per block; the first block's entry carries the request's cache_salt.
     extra_keys: tuple[tuple[Any, ...] | None, ...] = ()
     group_idx: int | None = None
+    # The group's kind of attention as vLLM (0.32 on) names it: "full_attention",
+    # "sliding_window", "mamba", ... (bridge/translate.py follows a full-attention group).
+    kind: str | None = None
 
 
 class BlockRemoved(NamedTuple):
@@ -160,6 +164,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     extra = f.get("extra_keys") or ()
     extra_keys = tuple(tuple(e) if isinstance(e, list | tuple) else None for e in extra)
     lora = f.get("lora_name")
+    kind = f.get("kv_cache_spec_kind")
     return BlockStored(
         hashes,
         parent,
@@ -169,6 +174,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         _medium(f.get("medium")),
         extra_keys,
         _group(f.get("group_idx")),
+        kind if isinstance(kind, str) else None,
     )
 
 

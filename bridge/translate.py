@@ -33,6 +33,20 @@ the device while it has a copy there, else as on the host:
                              host copy left: its keys are demoted to the host
     AllBlocksCleared         every tier is forgotten (vLLM sends one per cache reset)
 
+KV-cache groups: a hybrid model (gpt-oss, Gemma 2 and 3, Qwen3-Next and other models
+with sliding-window or linear-attention layers) has several groups in vLLM, each caching
+every block under the same hash and publishing its own events (``group_idx``). A hit
+needs a full-attention group's blocks from the prompt's start; a sliding-window group
+needs only the window before the hit, a Mamba group only the state there, and both let
+the blocks before it go first (a sliding-window group frees them while the request still
+runs). So the translator follows one group: the lowest-numbered whose kind (vLLM 0.32
+names it on stores, ``kv_cache_spec_kind``) is full attention, else group 0. A model's
+first group is often a sliding-window or Mamba one (its first layer's): following it
+lost the prefixes whose early blocks it evicted, and its Mamba blocks, which skip
+positions, came as orphans. When a store names a full-attention group below the one
+followed, the translator forgets what it published and follows that group (once per
+engine, at its first stores).
+
 A bare store (no token ids, as vLLM's offloading connectors send by default) adds a
 copy to a block already described, and is counted and skipped for one never seen. A key
 whose tokens span several engine pages (SGLang's 1-token pages) takes the tier of the
@@ -43,6 +57,7 @@ is not priced as on the device while part of it has left.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -59,6 +74,12 @@ from router.protocol import (
     root_key,
     short_key,
 )
+
+log = logging.getLogger("prefixgate.bridge")
+
+# The kinds of KV-cache group whose blocks hold the whole prefix they end (vLLM's names).
+PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+MAX_GROUPS = 256  # group numbers learned; vLLM's models have a handful
 
 
 class BlockState(NamedTuple):
@@ -117,12 +138,15 @@ class KeyTranslator:
     copies: dict[BlockHash, Copies] = field(default_factory=dict)  # same keys as blocks
     published: PublishedKeys = field(default_factory=PublishedKeys)
     stats: TranslatorStats = field(default_factory=TranslatorStats)
+    group: int = 0  # the engine's KV-cache group followed (events without one: group 0)
+    kinds: dict[int, str] = field(default_factory=dict)  # each group's kind, as named
 
     def stored(self, event: BlockStored) -> Update:
+        dropped = self._learn(event.group_idx, event.kind) if event.kind is not None else ()
         tier = self._tier(event.medium, event.group_idx)
         if tier is None:
-            return Update()
-        changes = _Changes()
+            return Update(removed=dropped)
+        changes = _Changes(removed=list(dropped))
         if not event.token_ids:  # a bare announcement: only blocks described before
             for block_hash in event.block_hashes:
                 known = self.blocks.get(block_hash)
@@ -186,10 +210,32 @@ class KeyTranslator:
         return self._update(changes)
 
     def _tier(self, medium: str | None, group_idx: int | None) -> Medium | None:
-        tier = self.media.tier(medium) if group_idx in (None, 0) else None
+        tier = self.media.tier(medium) if (group_idx or 0) == self.group else None
         if tier is None:
             self.stats.ignored += 1
         return tier
+
+    def _learn(self, group_idx: int | None, kind: str) -> tuple[bytes, ...]:
+        """Note a group's kind; when that changes the group to follow, switch to it and
+        return the keys published from the other (they are forgotten)."""
+        group = group_idx or 0
+        if self.kinds.get(group) == kind or not 0 <= group < MAX_GROUPS:
+            return ()
+        self.kinds[group] = kind
+        full = [g for g, k in self.kinds.items() if k in PREFIX_KINDS]
+        follow = min(full) if full else 0
+        if follow == self.group:
+            return ()
+        log.info(
+            "following the engine's KV-cache group %d (%s) for prefixes; its groups: %s",
+            follow,
+            self.kinds.get(follow, "unnamed"),
+            ", ".join(f"{g} {k}" for g, k in sorted(self.kinds.items())),
+        )
+        self.group = follow
+        dropped = tuple(self.published.producers)
+        self.cleared()
+        return dropped
 
     def _count(
         self,

@@ -155,6 +155,138 @@ def test_storage_media_and_other_groups_are_ignored() -> None:
     assert tr.stats.ignored == 3 and not tr.blocks
 
 
+def _hybrid_request(
+    ids: list[int], groups: dict[int, str], first_hash: int
+) -> tuple[list[BlockStored], list[int]]:
+    """A prompt's stores as vLLM 0.32 publishes them for a hybrid model: one event per
+    group and chunk, every group under the same block hashes, kinds named."""
+    hashes = [first_hash + i for i in range(len(ids) // 16)]
+    events = []
+    for start in range(0, len(hashes), 4):  # chunks of 4 blocks
+        chunk = hashes[start : start + 4]
+        parent = hashes[start - 1] if start else None
+        for group, kind in groups.items():
+            span = ids[start * 16 : (start + len(chunk)) * 16]
+            events.append(
+                BlockStored(tuple(chunk), parent, tuple(span), 16, None, "GPU", (), group, kind)
+            )
+    return events, hashes
+
+
+def test_a_hybrid_model_is_followed_by_its_full_attention_group() -> None:
+    # gpt-oss's layers start with a sliding-window one: vLLM's group 0 is that kind.
+    ids = tokens(160)
+    tr = KeyTranslator("m")
+    events, hashes = _hybrid_request(ids, {0: "sliding_window", 1: "full_attention"}, 1000)
+    published: set[bytes] = set()
+    for event in events:
+        out = tr.stored(event)
+        published -= set(out.removed)
+        published |= set(out.stored_keys)
+    assert published == set(expected(ids)) and tr.group == 1
+    # The sliding-window group evicts the blocks its window has passed: the prefix stays.
+    out = tr.removed(BlockRemoved(tuple(hashes[:6]), "GPU", 0))
+    assert out == Update() and set(tr.published.producers) == set(expected(ids))
+    # The full-attention group's evictions are the prefix's.
+    out = tr.removed(BlockRemoved(tuple(hashes[-2:]), "GPU", 1))
+    assert set(out.removed) == set(expected(ids)[-2:])
+    tr.check_invariants()
+
+
+def test_mamba_groups_first_and_full_attention_last_keep_the_prefix() -> None:
+    # Qwen3-Next: three linear-attention (Mamba-kind) groups, then the full one. A Mamba
+    # group caches a state only here and there: its stores name parents never stored.
+    ids = tokens(128)
+    tr = KeyTranslator("m")
+    tr.stored(BlockStored((5003,), 5002, tuple(ids[48:64]), 16, None, "GPU", (), 0, "mamba"))
+    assert tr.stats.orphans == 1
+    events, _ = _hybrid_request(ids, {3: "full_attention"}, 5000)
+    for event in events:
+        tr.stored(event)
+    assert tr.group == 3 and set(tr.published.producers) == set(expected(ids))
+    tr.stored(BlockStored((5007,), 5006, tuple(ids[112:128]), 16, None, "GPU", (), 1, "mamba"))
+    assert tr.group == 3 and set(tr.published.producers) == set(expected(ids))
+
+
+def test_the_switch_to_the_full_attention_group_takes_back_what_the_other_published() -> None:
+    ids = tokens(64)
+    tr = KeyTranslator("m")
+    first = tr.stored(
+        BlockStored((1, 2), None, tuple(ids[:32]), 16, None, "GPU", (), 0, "sliding_window")
+    )
+    assert first.stored_keys == tuple(expected(ids)[:2])  # no full group named yet
+    switch = tr.stored(
+        BlockStored((1, 2), None, tuple(ids[:32]), 16, None, "GPU", (), 1, "full_attention")
+    )
+    assert switch.removed == tuple(expected(ids)[:2]) and switch.stored_keys == tuple(
+        expected(ids)[:2]
+    )
+    # Group 0's later stores and removals change nothing.
+    assert (
+        tr.stored(BlockStored((3,), 2, tuple(ids[32:48]), 16, None, "GPU", (), 0, "sliding_window"))
+        == Update()
+    )
+    assert tr.removed(BlockRemoved((1, 2), "GPU", 0)) == Update()
+    tr.check_invariants()
+
+
+def test_an_engine_restarted_with_one_group_is_followed_by_group_0_again() -> None:
+    # vLLM's --disable-hybrid-kv-cache-manager (or a CPU engine) puts every layer in one
+    # full-attention group 0.
+    ids = tokens(32)
+    tr = KeyTranslator("m")
+    tr.stored(BlockStored((1,), None, tuple(ids[:16]), 16, None, "GPU", (), 1, "full_attention"))
+    tr.cleared()
+    tr.stored(BlockStored((9,), None, tuple(ids[:16]), 16, None, "GPU", (), 0, "full_attention"))
+    assert tr.group == 0 and set(tr.published.producers) == set(expected(ids)[:1])
+
+
+def test_without_kinds_group_0_is_followed_and_group_numbers_are_bounded() -> None:
+    ids = tokens(16)
+    tr = KeyTranslator("m")
+    for group in (-1, 2**40, 300):  # hostile numbers: not learned, not followed
+        out = tr.stored(
+            BlockStored((group,), None, tuple(ids), 16, None, None, (), group, "full_attention")
+        )
+        assert out == Update()
+    assert tr.kinds == {} and tr.group == 0
+    assert tr.stored(BlockStored((1,), None, tuple(ids), 16)).stored_keys == tuple(expected(ids))
+
+
+def test_kinds_are_decoded_from_vllm_032_events() -> None:
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": list(range(16)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": None,
+        "group_idx": 1,
+        "kv_cache_spec_kind": "full_attention",
+        "kv_cache_spec_sliding_window": None,
+    }
+    odd = {**stored, "kv_cache_spec_kind": 7}
+    batch = decode_batch(msgpack.packb([1.0, [stored, odd], None]))
+    assert [e.kind for e in batch.events] == ["full_attention", None]  # type: ignore[union-attr]
+    positional = [
+        "BlockStored",
+        [1],
+        None,
+        list(range(16)),
+        16,
+        None,
+        "GPU",
+        None,
+        None,
+        2,
+        "mamba",
+    ]
+    assert decode_batch(msgpack.packb([1.0, [positional]])).events[0].kind == "mamba"  # type: ignore[union-attr]
+
+
 def test_snapshot_lists_parents_before_children() -> None:
     ids = tokens(160)
     tr = KeyTranslator("m")
