@@ -140,16 +140,7 @@ def prefixgate_side(args: argparse.Namespace, layout: str, num_blocks: int) -> d
         doc = rng.choices(range(args.docs), weights)[0]
         prompt = docs[doc] + [rng.randrange(100, 40_000) for _ in range(30)]
         keys = [short_key(k) for k in KeySpace("m", BLOCK, "").keys(prompt)]
-
-        def matched(tr: KeyTranslator) -> int:
-            n = 0
-            for key in keys:
-                if tr.published.tier(key) != "device":
-                    break
-                n += 1
-            return n
-
-        matches = [matched(tr) for tr in translators]
+        matches = [_matched(tr, keys) for tr in translators]
         replica = max(range(args.replicas), key=lambda r: (matches[r], -sent[r]))
         sent[replica] += 1
         # vLLM computes a prompt's last token again: at most len - 1 tokens hit, whole blocks.
@@ -171,6 +162,16 @@ def prefixgate_side(args: argparse.Namespace, layout: str, num_blocks: int) -> d
     engine.stdin.close()
     engine.wait(timeout=60)
     return {"layout": layout, "blocks": num_blocks, "groups": groups, "sent": sent, **out}
+
+
+def _matched(tr: Any, keys: list[bytes]) -> int:
+    """Keys of the prompt, from its start, that ``tr`` publishes on the device."""
+    n = 0
+    for key in keys:
+        if tr.published.tier(key) != "device":
+            break
+        n += 1
+    return n
 
 
 def _vllm_env() -> dict[str, str]:
@@ -203,8 +204,10 @@ def main() -> None:
     layouts = args.layout or ["gpt-oss", "gemma3", "full"]
     pools = args.num_blocks or [1200, 600]
     trees = [t.split("=", 1) for t in args.tree] or [["this", "."]]
-    print("| layout (vLLM's groups) | blocks per replica | tree | vLLM's hits, tokens "
-          "| predicted for the chosen replica | exact / under / over | requests per replica |")
+    print(
+        "| layout (vLLM's groups) | blocks per replica | tree | vLLM's hits, tokens "
+        "| predicted for the chosen replica | exact / under / over | requests per replica |"
+    )
     print("| --- | ---: | --- | ---: | ---: | --- | --- |")
     for layout in layouts:
         for blocks in pools:

@@ -150,7 +150,8 @@ def with_tenant_fields(
     keyed mode replaces it)."""
     client_salt = body.get("cache_salt")
     salt = state.auth.forwarded_salt(tenant, client_salt if isinstance(client_salt, str) else None)
-    changed = with_tenant_priority(tenant, body)
+    changed = without_report_mode(body)
+    changed = with_tenant_priority(tenant, body) or changed
     if not (salt == client_salt or (salt is None and not isinstance(client_salt, str))):
         changed = True
         if salt is None:
@@ -158,6 +159,27 @@ def with_tenant_fields(
         else:
             body["cache_salt"] = salt
     return (json.dumps(body, separators=(",", ":")).encode() if changed else raw), salt
+
+
+# vLLM's per-request event mode, in ``vllm_xargs`` (the token API's
+# ``sampling_params.extra_args``): "full" re-announces the cached blocks a request reuses,
+# as stores no removal follows. The bridge cannot tell those from a second copy of a block
+# (each copy leaves with a removal of its own), so the keys would stay published after
+# the engine evicted their blocks, and draw requests there. The engines' events are the
+# bridge's to read: the gateway drops the field.
+REPORT_MODE = "kv_cache_report_mode"
+
+
+def without_report_mode(body: dict[str, Any]) -> bool:
+    """Drops ``REPORT_MODE`` from the body's engine arguments; True when there was one."""
+    params = body.get("sampling_params")
+    extra = params.get("extra_args") if isinstance(params, dict) else None
+    changed = False
+    for args in (body.get("vllm_xargs"), extra):
+        if isinstance(args, dict) and REPORT_MODE in args:
+            del args[REPORT_MODE]
+            changed = True
+    return changed
 
 
 def with_tenant_priority(tenant: Tenant, body: dict[str, Any]) -> bool:
