@@ -41,6 +41,17 @@ def engine_ranks(text: str) -> set[str]:
     }
 
 
+def reports_load(text: str) -> bool:
+    """Whether the page has an engine's request gauges. A vLLM started with
+    ``--disable-log-stats`` exports none of its ``vllm:`` metrics (the page keeps only the
+    HTTP server's and the process's), so its load reads 0 requests and 0 blocks."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return True  # not Prometheus text: the heartbeat names that itself
+    return any(sample.name in RUNNING for family in families for sample in family.samples)
+
+
 def parse_load(text: str, block_size: int, engine: str | None = None) -> ReplicaLoad:
     """The load in a ``/metrics`` page (of data-parallel rank ``engine`` only, when given);
     ValueError when it is not Prometheus text."""

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from bridge.engine_auth import engine_headers
-from bridge.engine_load import engine_ranks, parse_load
+from bridge.engine_load import engine_ranks, parse_load, reports_load
 from bridge.event_sources import fetch_sources, meet
 from bridge.follower import EventFollower
 from bridge.media import MediumMap
@@ -103,6 +103,19 @@ class BridgeConfig:
     def replay_endpoint(self) -> str | None:
         rank = self.data_parallel_rank or 0
         return None if self.replay is None else rank_endpoint(self.replay, rank)
+
+
+def _warn_if_no_load(engine_url: str, metrics: str) -> None:
+    """An engine whose ``/metrics`` has no request counts heartbeats 0 requests: every
+    gateway then sees there only the requests it sent itself, none of the others'."""
+    if not reports_load(metrics):
+        log.warning(
+            "engine %s exports no request counts on /metrics (vllm:num_requests_running, "
+            "sglang:num_running_reqs), as a vLLM started with --disable-log-stats does: its "
+            "heartbeats say 0 requests and no cache size, so each gateway sees only its own "
+            "requests there and none of the other gateways'. Start it without that flag",
+            engine_url,
+        )
 
 
 def _warn_if_data_parallel(engine_url: str, metrics: str, rank: int | None) -> None:
@@ -328,6 +341,7 @@ class Bridge:
                 if not self.stats.engine_up:
                     log.info("engine %s answers; heartbeating", self.config.engine_url)
                     _warn_if_data_parallel(self.config.engine_url, reply.text, rank)
+                    _warn_if_no_load(self.config.engine_url, reply.text)
                 self.stats.engine_up = True
                 with contextlib.suppress(*REDIS_ERRORS):
                     await self.writer.heartbeat(load)
