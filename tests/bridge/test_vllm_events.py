@@ -1,5 +1,7 @@
-"""vLLM's own bytes for a block offloaded to the CPU (tests/bridge/data, written by vLLM
-0.32's classes: make_vllm_offload_events.py), through a real bridge into a gateway index."""
+"""vLLM's own bytes (tests/bridge/data, written by vLLM 0.32's classes) through a real
+bridge into a gateway index: a block offloaded to the CPU (make_vllm_offload_events.py),
+and a hybrid model's prompt whose early blocks its sliding-window group let go
+(make_vllm_hybrid_events.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tests.conftest import wait_until_async
 pytestmark = pytest.mark.anyio
 
 DATA = Path(__file__).with_name("data") / "vllm_offload_events.msgpack"
+HYBRID = Path(__file__).with_name("data") / "vllm_hybrid_events.msgpack"
 TOKENS = [(i * 7919) % 49152 for i in range(32)]  # as the generator's
 
 
@@ -51,4 +54,24 @@ async def test_vllms_offload_events_move_the_block_to_the_host_tier(cluster_fact
     c.engine.publish_payload(cpu_gone)  # the CPU copies go: the first block stays on the GPU
     await wait_until_async(lambda: c.matched(chain) == 1, 10, "the host block removed")
     assert c.router.index.host_blocks(c.rid, chain) == 0
+    assert c.follow.skipped_events == 0 and c.follow.resets == 0
+
+
+async def test_a_hybrid_models_prefix_stays_while_its_full_attention_group_holds_it(
+    cluster_factory: Any,
+) -> None:
+    # gpt-oss's groups: 0 sliding-window, 1 full attention. The second batch evicts A's
+    # 2nd to 4th blocks from group 0 only; vLLM still finds 240 of A's 256 tokens cached.
+    recorded = msgpack.unpackb(HYBRID.read_bytes())
+    prompt, hit, (a, b) = recorded["prompt"], recorded["hit"], recorded["payloads"]
+    assert hit == 240
+    c = await cluster_factory(16)
+    chain = keys(prompt)
+    c.engine.publish_payload(a)
+    await c.wait_matched(chain)
+    c.engine.publish_payload(b)
+    await c.wait_matched(keys(recorded["other"][:96]))  # B's batch is in the index
+    assert c.matched(chain) == len(chain) == 16
+    # What the gateway predicts (the engine computes the prompt's last token again):
+    assert min(c.matched(chain) * 16, len(prompt) - 1) // 16 * 16 == hit
     assert c.follow.skipped_events == 0 and c.follow.resets == 0
