@@ -52,6 +52,22 @@ def reports_load(text: str) -> bool:
     return any(sample.name in RUNNING for family in families for sample in family.samples)
 
 
+def prefix_caching_off(text: str) -> bool:
+    """Whether the page says the engine caches no prefixes: vLLM's
+    ``vllm:cache_config_info`` labels carry its cache configuration, among them
+    ``enable_prefix_caching`` (``"False"`` under ``--no-enable-prefix-caching``)."""
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return False
+    return any(
+        sample.name == "vllm:cache_config_info"
+        and sample.labels.get("enable_prefix_caching") == "False"
+        for family in families
+        for sample in family.samples
+    )
+
+
 def parse_load(text: str, block_size: int, engine: str | None = None) -> ReplicaLoad:
     """The load in a ``/metrics`` page (of data-parallel rank ``engine`` only, when given);
     ValueError when it is not Prometheus text."""

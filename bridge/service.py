@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from bridge.engine_auth import engine_headers
-from bridge.engine_load import engine_ranks, parse_load, reports_load
+from bridge.engine_load import engine_ranks, parse_load, prefix_caching_off, reports_load
 from bridge.event_sources import fetch_sources, meet
 from bridge.follower import EventFollower
 from bridge.media import MediumMap
@@ -105,9 +105,19 @@ class BridgeConfig:
         return None if self.replay is None else rank_endpoint(self.replay, rank)
 
 
-def _warn_if_no_load(engine_url: str, metrics: str) -> None:
-    """An engine whose ``/metrics`` has no request counts heartbeats 0 requests: every
-    gateway then sees there only the requests it sent itself, none of the others'."""
+def _warn_about_metrics(engine_url: str, metrics: str) -> None:
+    """What the engine's ``/metrics`` says of a configuration that defeats routing: no
+    request counts (every gateway then sees there only the requests it sent itself, none
+    of the others'), or no prefix cache (nothing to route to: the engine computes every
+    prompt whole, and its events never come)."""
+    if prefix_caching_off(metrics):
+        log.warning(
+            "engine %s caches no prefixes (its vllm:cache_config_info says "
+            "enable_prefix_caching=False, as under --no-enable-prefix-caching): it computes "
+            "every prompt whole, whatever a gateway sends it, and publishes no blocks. Start "
+            "it with --enable-prefix-caching",
+            engine_url,
+        )
     if not reports_load(metrics):
         log.warning(
             "engine %s exports no request counts on /metrics (vllm:num_requests_running, "
@@ -341,7 +351,7 @@ class Bridge:
                 if not self.stats.engine_up:
                     log.info("engine %s answers; heartbeating", self.config.engine_url)
                     _warn_if_data_parallel(self.config.engine_url, reply.text, rank)
-                    _warn_if_no_load(self.config.engine_url, reply.text)
+                    _warn_about_metrics(self.config.engine_url, reply.text)
                 self.stats.engine_up = True
                 with contextlib.suppress(*REDIS_ERRORS):
                     await self.writer.heartbeat(load)
