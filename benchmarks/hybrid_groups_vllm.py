@@ -4,7 +4,8 @@
         --tree before=DIR --tree after=.
 
 vLLM caches a hybrid model (gpt-oss, Gemma 3: sliding-window layers beside full-attention
-ones) in several KV-cache groups, each publishing its own events. Its CPU build runs one
+ones; Qwen3-Next: linear-attention ones, Mamba-kind) in several KV-cache groups, each
+publishing its own events. Its CPU build runs one
 group only (the hybrid manager is GPU-only), so this drives vLLM's own scheduler-side
 KV-cache manager (``vllm.v1.core.kv_cache_manager.KVCacheManager``, no model needed) with
 the groups vLLM forms for the layer layout, and publishes its events encoded as vLLM's
@@ -36,6 +37,7 @@ BLOCK = 16
 LAYOUTS = {  # layer kinds in order, as each model's config lists them
     "gpt-oss": ["sliding", "full"] * 12,
     "gemma3": (["sliding"] * 5 + ["full"]) * 4,
+    "qwen3-next": (["mamba"] * 3 + ["full"]) * 6,  # linear-attention layers: Mamba kind
     "full": ["full"] * 24,
 }
 
@@ -57,16 +59,29 @@ def vllm_side(layout: str, num_blocks: int, replicas: int) -> None:
         get_request_block_hasher,
         init_none_hash,
     )
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
     from vllm.v1.request import Request
 
     shape = {"block_size": BLOCK, "num_kv_heads": 8, "head_size": 64, "dtype": torch.bfloat16}
-    specs = {
-        f"model.layers.{i}.attn": FullAttentionSpec(**shape)
-        if kind == "full"
-        else SlidingWindowSpec(**shape, sliding_window=128)
-        for i, kind in enumerate(LAYOUTS[layout])
+    page = 2 * BLOCK * 8 * 64 * 2  # an attention block's bytes: a Mamba state is padded to it
+    kinds = {
+        "full": lambda: FullAttentionSpec(**shape),
+        "sliding": lambda: SlidingWindowSpec(**shape, sliding_window=128),
+        # vLLM's default with prefix caching: a state kept where a step ends on a block
+        "mamba": lambda: MambaSpec(
+            block_size=BLOCK,
+            shapes=((4, 64),),
+            dtypes=(torch.bfloat16,),
+            page_size_padded=page,
+            mamba_cache_mode="align",
+        ),
     }
+    specs = {f"model.layers.{i}.attn": kinds[kind]() for i, kind in enumerate(LAYOUTS[layout])}
     groups = _get_kv_cache_groups_uniform_page_size(specs)
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     managers = [
@@ -93,6 +108,7 @@ def vllm_side(layout: str, num_blocks: int, replicas: int) -> None:
         done, first = hit, True
         while done < len(prompt):  # chunked prefill, 512 tokens a step
             chunk = min(512, len(prompt) - done)
+            mgr.new_step_starts()
             got = mgr.allocate_slots(
                 req,
                 chunk,
@@ -104,6 +120,7 @@ def vllm_side(layout: str, num_blocks: int, replicas: int) -> None:
             req.num_computed_tokens = done
         for token in range(8):  # a short answer
             req.append_output_token_ids(100 + token)
+            mgr.new_step_starts()
             assert mgr.allocate_slots(req, 1) is not None
             req.num_computed_tokens += 1
         mgr.free(req)
@@ -201,7 +218,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(prefixgate_side(args, args.one[0], int(args.one[1]))))
         return
-    layouts = args.layout or ["gpt-oss", "gemma3", "full"]
+    layouts = args.layout or ["gpt-oss", "gemma3", "qwen3-next", "full"]
     pools = args.num_blocks or [1200, 600]
     trees = [t.split("=", 1) for t in args.tree] or [["this", "."]]
     print(
