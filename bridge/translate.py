@@ -227,7 +227,7 @@ class KeyTranslator:
         if follow == self.group:
             return ()
         log.info(
-            "following the engine's KV-cache group %d (%s) for prefixes; its groups: %s",
+            "following the engine's KV-cache group %d (%s) for prefixes; groups named so far: %s",
             follow,
             self.kinds.get(follow, "unnamed"),
             ", ".join(f"{g} {k}" for g, k in sorted(self.kinds.items())),
