@@ -11,6 +11,12 @@ replica (once per URL: a vLLM's data-parallel ranks share one), with its query s
 Then the gateway asks every replica's ``/is_paused`` at once (gateway/probes.py), so a
 cluster put to sleep is out of routing, and a woken one back in, before the answer.
 
+A sleep at level 1 or 2 and a pause (unless ``mode=keep`` or ``clear_cache=false``) make
+vLLM drop its prefix cache, and it publishes that only with its next step, after the
+wake or resume: the gateway forgets those replicas' blocks as the engines answer, as its
+own cache reset does (gateway/cache_reset.py), rather than route the first requests
+after by blocks gone.
+
 A control answers 200 with the first replica's answer when every replica said 200, else
 the worst status with each replica's answer. ``/is_sleeping`` and ``/is_paused`` say true
 only when every replica does, with each replica's answer. Keyed mode: admin keys only
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.types import Receive, Scope, Send
 
@@ -88,6 +95,10 @@ async def _serve(
         *(send_to_replica(state, url + target, b"", sent, method) for url in urls)
     )
     if method == "POST":
+        if drops_caches(path, query):
+            done = {url for url, (status, _) in zip(urls, answers, strict=True) if status == 200}
+            views = state.router.replicas.values()
+            state.router.forget_cached_state([v.replica_id for v in views if v.url in done])
         await probe_all(state)  # each replica's pause state now, not at the next probe
     replicas = {
         redacted_url(url): {"status": status, "answer": _parsed(text)}
@@ -109,6 +120,19 @@ async def _serve(
         return
     kind = (b"content-type", b"application/json")
     await send_bytes(send, 200, answers[0][1].encode(), [kind], ex)
+
+
+def drops_caches(path: str, query: str) -> bool:
+    """Whether vLLM (0.32) drops its prefix cache for this control: ``/sleep`` unless at
+    ``level=0`` (a pause only; the default is 1), ``/pause`` unless ``mode=keep`` or
+    ``clear_cache`` is false (the default is true)."""
+    params = {name: values[-1].strip().lower() for name, values in parse_qs(query).items()}
+    if path == "/sleep":
+        return params.get("level", "1") != "0"
+    if path == "/pause":
+        falsy = ("false", "0", "off", "no", "f", "n")
+        return params.get("mode") != "keep" and params.get("clear_cache", "true") not in falsy
+    return False
 
 
 def _parsed(text: str) -> Any:

@@ -46,8 +46,14 @@ class Servers:
             bool(stats["replicas"][s.url.removeprefix("http://")]["paused"]) for s in self.stubs
         ]
 
-    def chat(self) -> httpx.Response:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    def blocks(self) -> list[int]:
+        """The blocks the gateway believes each replica holds (its own record of where it
+        sent prompts, here: the stubs publish no events)."""
+        stats = httpx.get(self.gateway.url + "/router/stats", headers=OPS).json()
+        return [stats["replicas"][s.url.removeprefix("http://")]["blocks"] for s in self.stubs]
+
+    def chat(self, content: str = "hi") -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
         return httpx.post(
             self.gateway.url + "/v1/chat/completions", json=body, headers=OPS, timeout=10
         )
@@ -98,6 +104,28 @@ def test_pause_and_resume_likewise(servers: Servers) -> None:
     assert servers.post("/resume").status_code == 200
     assert servers.paused() == [False, False]
     assert servers.chat().status_code == 200
+
+
+def test_sleep_and_pause_forget_the_caches_the_engines_drop(servers: Servers) -> None:
+    """vLLM drops its prefix cache at a sleep of level 1 or 2 and at a pause (unless
+    ``mode=keep`` or ``clear_cache=false``), and says so only with its next step."""
+    long = " ".join(f"word{i}" for i in range(300))
+    cases = [
+        ("/sleep?level=0", False),
+        ("/pause?mode=keep", False),
+        ("/pause?clear_cache=false", False),
+        ("/sleep", True),
+        ("/sleep?level=2", True),
+        ("/pause?mode=wait", True),
+    ]
+    for control, drops in cases:
+        assert servers.chat(long).status_code == 200
+        held = servers.blocks()
+        assert sum(held) > 0
+        assert servers.post(control).status_code == 200
+        assert servers.blocks() == ([0, 0] if drops else held), control
+        resume = "/wake_up" if control.startswith("/sleep") else "/resume"
+        assert servers.post(resume).status_code == 200
 
 
 def test_only_admin_keys_and_the_right_methods(servers: Servers) -> None:
