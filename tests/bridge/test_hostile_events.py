@@ -51,6 +51,10 @@ def stored(draw: st.DrawFn) -> dict[str, Any]:
     for name in ("medium", "lora_name", "extra_keys", "group_idx", "lora_id"):
         if draw(st.booleans()):
             event[name] = draw(VALUES)
+    if draw(st.booleans()):  # a hybrid model's groups, their kinds named (vLLM 0.32 on)
+        event["group_idx"] = draw(st.integers(-1, 3) | VALUES)
+        kinds = st.sampled_from(["full_attention", "sliding_window", "mamba", ""])
+        event["kv_cache_spec_kind"] = draw(kinds | VALUES)
     return event
 
 
