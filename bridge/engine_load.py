@@ -22,6 +22,7 @@ import math
 from collections import defaultdict
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from router.protocol import ReplicaLoad
 
@@ -44,28 +45,29 @@ def engine_ranks(text: str) -> set[str]:
 def reports_load(text: str) -> bool:
     """Whether the page has an engine's request gauges. A vLLM started with
     ``--disable-log-stats`` exports none of its ``vllm:`` metrics (the page keeps only the
-    HTTP server's and the process's), so its load reads 0 requests and 0 blocks."""
-    try:
-        families = list(text_string_to_metric_families(text))
-    except ValueError:
-        return True  # not Prometheus text: the heartbeat names that itself
-    return any(sample.name in RUNNING for family in families for sample in family.samples)
+    HTTP server's and the process's), so its load reads 0 requests and 0 blocks. A page
+    that is not Prometheus text says True: the heartbeat names that itself."""
+    samples = _samples(text)
+    return samples is None or any(sample.name in RUNNING for sample in samples)
 
 
 def prefix_caching_off(text: str) -> bool:
     """Whether the page says the engine caches no prefixes: vLLM's
     ``vllm:cache_config_info`` labels carry its cache configuration, among them
     ``enable_prefix_caching`` (``"False"`` under ``--no-enable-prefix-caching``)."""
-    try:
-        families = list(text_string_to_metric_families(text))
-    except ValueError:
-        return False
     return any(
         sample.name == "vllm:cache_config_info"
         and sample.labels.get("enable_prefix_caching") == "False"
-        for family in families
-        for sample in family.samples
+        for sample in _samples(text) or ()
     )
+
+
+def _samples(text: str) -> list[Sample] | None:
+    """Every sample on the page; None when it is not Prometheus text."""
+    try:
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except ValueError:
+        return None
 
 
 def parse_load(text: str, block_size: int, engine: str | None = None) -> ReplicaLoad:

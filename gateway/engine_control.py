@@ -128,7 +128,8 @@ def drops_caches(path: str, query: str) -> bool:
     ``clear_cache`` is false (the default is true)."""
     params = {name: values[-1].strip().lower() for name, values in parse_qs(query).items()}
     if path == "/sleep":
-        return params.get("level", "1") != "0"
+        level = params.get("level", "1")
+        return not (level.isdigit() and int(level) == 0)
     if path == "/pause":
         falsy = ("false", "0", "off", "no", "f", "n")
         return params.get("mode") != "keep" and params.get("clear_cache", "true") not in falsy
