@@ -69,6 +69,9 @@ class BlockStored(NamedTuple):
     # The group's kind of attention as vLLM (0.32 on) names it: "full_attention",
     # "sliding_window", "mamba", ... (bridge/translate.py follows a full-attention group).
     kind: str | None = None
+    # The request's cache_salt as a field of its own (SGLang 0.5.23; vLLM puts it in
+    # extra_keys).
+    cache_salt: str | None = None
 
 
 class BlockRemoved(NamedTuple):
@@ -165,6 +168,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     extra_keys = tuple(tuple(e) if isinstance(e, list | tuple) else None for e in extra)
     lora = f.get("lora_name")
     kind = f.get("kv_cache_spec_kind")
+    salt = f.get("cache_salt")
     return BlockStored(
         hashes,
         parent,
@@ -175,6 +179,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
         extra_keys,
         _group(f.get("group_idx")),
         kind if isinstance(kind, str) else None,
+        salt if isinstance(salt, str) else None,
     )
 
 
@@ -200,7 +205,8 @@ def _hashes(values: Any) -> tuple[BlockHash, ...]:
 
 
 def salt_of(event: BlockStored) -> str:
-    """The request's ``cache_salt`` from the first block's extra keys ("" when none).
+    """The request's ``cache_salt``: the event's own field (SGLang), else from the first
+    block's extra keys (vLLM); "" when none.
 
     Current vLLM tags each extra key: ``("cache_salt", salt)``, ``("lora", name, path)``,
     multimodal and prompt-embedding entries of their own. Older releases put bare values
@@ -209,6 +215,8 @@ def salt_of(event: BlockStored) -> str:
     multimodal prompt without a salt would be misread, but its keys could not match the
     gateway's text-only keys anyway.
     """
+    if event.cache_salt is not None:
+        return event.cache_salt
     if not event.extra_keys or event.extra_keys[0] is None:
         return ""
     first = event.extra_keys[0]

@@ -9,8 +9,10 @@ Names are matched case-insensitively:
     (none)                 device   engines from before media
     GPU                    device   vLLM's block pool, SGLang's radix cache
     CPU                    host     vLLM's offloading connectors (mooncake: "cpu")
-    CPU_TIER1              host     SGLang HiCache's host memory (L2)
+    CPU_PINNED, CPU_TIER1  host     SGLang HiCache's host memory (L2; 0.5.23's name, an
+                                    earlier one)
     STORAGE, CPU_TIER2     ignored  disk, object stores, remote pools (L3)
+    DISK, EXTERNAL         ignored  SGLang 0.5.23's L3 (SSD) and L4 (a shared remote pool)
 
 Storage tiers are not tracked: they may be shared by many engines, hold far more
 blocks than the router indexes per replica, and SGLang sends no removals for its L3, so
@@ -43,8 +45,11 @@ KNOWN_MEDIA: MappingProxyType[str, Medium | None] = MappingProxyType(
         "GPU": "device",
         "CPU": "host",
         "CPU_TIER1": "host",
+        "CPU_PINNED": "host",
         "STORAGE": None,
         "CPU_TIER2": None,
+        "DISK": None,
+        "EXTERNAL": None,
     }
 )
 
