@@ -18,6 +18,9 @@ Tags and fields (declaration order):
     BlockRemoved     block_hashes, medium, group_idx
     AllBlocksCleared (none)
 
+SGLang 0.5.23 sends map-form events with a ``cache_salt`` field of its own (vLLM puts
+the salt in ``extra_keys``); both are read.
+
 A block hash is an int or bytes (engine versions differ); only its identity matters
 here, and a block keeps it in every ``medium`` (a string naming where the copy is: see
 bridge/media.py). A ``BlockStored`` without token ids is a bare announcement of blocks
