@@ -42,8 +42,8 @@ the blocks before it go first (a sliding-window group frees them while the reque
 runs). So the translator follows one group: the lowest-numbered whose kind (vLLM 0.32
 names it on stores, ``kv_cache_spec_kind``) is full attention, else group 0. A model's
 first group is often a sliding-window or Mamba one (its first layer's): following it
-lost the prefixes whose early blocks it evicted, and its Mamba blocks, which skip
-positions, came as orphans. When a store names a full-attention group below the one
+would lose the prefixes whose early blocks it evicts, and a Mamba group's blocks, which
+skip positions, would come as orphans. When a store names a full-attention group below the one
 followed, the translator forgets what it published and follows that group (once per
 engine, at its first stores).
 
