@@ -9,7 +9,7 @@ import logging
 import signal
 
 from bridge.engine_auth import add_engine_access_flags, engine_api_key
-from bridge.media import parse_medium_flag
+from bridge.media import known_media_text, parse_medium_flag
 from bridge.service import Bridge, BridgeConfig
 from bridge.zmq_source import rank_endpoint
 from prefixgate.envflags import add_env_flag, add_env_list_flag
@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "medium",
         metavar="NAME=TIER",
         help="route blocks the engine reports in medium NAME as on the device, on the host, "
-        "or not at all (TIER: device, host, ignore); overrides the built-in table (GPU "
-        "device; CPU, CPU_TIER1 host; STORAGE, CPU_TIER2 ignored; any other name ignored)",
+        "or not at all (TIER: device, host, ignore); overrides the built-in table "
+        f"({known_media_text()}; any other name ignored)",
     )
     add_env_flag(p, "heartbeat-s", type=float, default=1.0, help="heartbeat period")
     add_env_flag(p, "log-level", default="info", help="debug, info, warning")

@@ -53,6 +53,15 @@ KNOWN_MEDIA: MappingProxyType[str, Medium | None] = MappingProxyType(
     }
 )
 
+def known_media_text() -> str:
+    """The built-in table in one line, for ``--medium``'s help: ``GPU device; CPU, ... host;
+    STORAGE, ... ignored``."""
+    by_tier: dict[str, list[str]] = {}
+    for name, tier in KNOWN_MEDIA.items():
+        by_tier.setdefault(tier or "ignored", []).append(name)
+    return "; ".join(f"{', '.join(names)} {tier}" for tier, names in by_tier.items())
+
+
 # Distinct unknown names warned about; a hostile engine cannot grow the set beyond this.
 MAX_WARNED = 32
 
