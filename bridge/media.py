@@ -53,6 +53,7 @@ KNOWN_MEDIA: MappingProxyType[str, Medium | None] = MappingProxyType(
     }
 )
 
+
 def known_media_text() -> str:
     """The built-in table in one line, for ``--medium``'s help: ``GPU device; CPU, ... host;
     STORAGE, ... ignored``."""
