@@ -151,6 +151,7 @@ def with_tenant_fields(
     client_salt = body.get("cache_salt")
     salt = state.auth.forwarded_salt(tenant, client_salt if isinstance(client_salt, str) else None)
     changed = without_report_mode(body)
+    changed = without_transfer_params(state, tenant, body) or changed
     changed = with_tenant_priority(tenant, body) or changed
     if not (salt == client_salt or (salt is None and not isinstance(client_salt, str))):
         changed = True
@@ -172,14 +173,56 @@ REPORT_MODE = "kv_cache_report_mode"
 
 def without_report_mode(body: dict[str, Any]) -> bool:
     """Drops ``REPORT_MODE`` from the body's engine arguments; True when there was one."""
-    params = body.get("sampling_params")
-    extra = params.get("extra_args") if isinstance(params, dict) else None
     changed = False
-    for args in (body.get("vllm_xargs"), extra):
+    for args in _engine_args(body):
         if isinstance(args, dict) and REPORT_MODE in args:
             del args[REPORT_MODE]
             changed = True
     return changed
+
+
+# vLLM's disaggregation fields: what a KV (or encoder) cache connector is to do with the
+# request's cache, set by the proxy that splits prefill from decode. An engine that reads
+# them, whether or not it has a connector, trusts them: ``do_remote_prefill`` with
+# ``remote_prefill_cached_tokens`` sets the ``cached_tokens`` it reports (a tenant's bill),
+# and with NIXL, ``remote_block_ids`` and an engine's address read those blocks, whoever's
+# prompt they hold, while ``do_remote_decode`` keeps a request's blocks after it ends.
+# Keyed mode keeps them for admin keys (a disaggregating proxy's); a tenant's are dropped.
+TRANSFER_PARAMS = ("kv_transfer_params", "ec_transfer_params")
+
+
+def without_transfer_params(state: GatewayState, tenant: Tenant, body: dict[str, Any]) -> bool:
+    """Checks the body's ``TRANSFER_PARAMS`` and, in keyed mode, drops a tenant's (not an
+    admin's) from it and its engine arguments; True when that changed the body.
+
+    In every mode, a ``kv_transfer_params`` among the engine arguments that is not an
+    object is a 400: vLLM would read it as one, fail with a 500 after taking the
+    request, and the gateway would try it on a second replica."""
+    engine_args = [a for a in _engine_args(body) if isinstance(a, dict)]
+    for args in engine_args:
+        value = args.get("kv_transfer_params")
+        if value is not None and not isinstance(value, dict):
+            where = "vllm_xargs" if args is body.get("vllm_xargs") else "extra_args"
+            raise OpenAIError(
+                f"{where}.kv_transfer_params must be an object, got {type(value).__name__}",
+                param=f"{where}.kv_transfer_params",
+            )
+    if state.auth.open or tenant.admin:
+        return False
+    changed = False
+    for fields in (body, *engine_args):
+        for name in TRANSFER_PARAMS:
+            if name in fields:
+                del fields[name]
+                changed = True
+    return changed
+
+
+def _engine_args(body: dict[str, Any]) -> tuple[Any, Any]:
+    """The body's free-form engine arguments: ``vllm_xargs``, and the token API's
+    ``sampling_params.extra_args``."""
+    params = body.get("sampling_params")
+    return body.get("vllm_xargs"), params.get("extra_args") if isinstance(params, dict) else None
 
 
 def with_tenant_priority(tenant: Tenant, body: dict[str, Any]) -> bool:

@@ -22,6 +22,8 @@ share the engine's cache with every other tenant's (README, "Tenant salts").
 
 from __future__ import annotations
 
+import json
+
 from starlette.types import Receive, Scope, Send
 
 from gateway.exchange import Exchange
@@ -33,6 +35,7 @@ from gateway.handler import (
     read_body,
     refuse_salted,
     served_model,
+    without_transfer_params,
 )
 from gateway.messages_hooks import MessagesHooks
 from gateway.proxy import Forward, forward_headers
@@ -79,6 +82,8 @@ async def _serve(
         served=route_model is not None,
         key_model=key_model,
     )
+    if without_transfer_params(state, tenant, body):
+        raw = json.dumps(body, separators=(",", ":")).encode()
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
     conversation = conversation_key({"user": user}, headers)
