@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the jinja chat template the engine and the gateways were started with, if "
         "not the model's own, for the start-up parity check",
     )
+    add_env_flag(
+        p,
+        "default-chat-template-kwargs",
+        metavar="JSON",
+        help="the template variables the engine and the gateways were started with "
+        "(vLLM's --default-chat-template-kwargs), for the start-up parity check",
+    )
     p.add_argument(
         "--no-tokenizer-check", action="store_true", help="skip the start-up parity check"
     )
@@ -111,6 +118,11 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
             from prefixgate.tokenizer import read_chat_template_file
 
             template = read_chat_template_file(args.chat_template)
+        defaults = None
+        if args.default_chat_template_kwargs is not None:
+            from prefixgate.chat_input import template_defaults
+
+            defaults = template_defaults(args.default_chat_template_kwargs)
         if args.data_parallel_rank:  # the rank's own endpoints, offset as the engine does
             for endpoint in (args.kv_events, args.replay):
                 if endpoint is not None:
@@ -138,6 +150,7 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         media=media,
         tokenizer=args.tokenizer,
         chat_template=template,
+        template_defaults=defaults,
         check_tokenizer=not args.no_tokenizer_check,
         heartbeat_s=args.heartbeat_s,
     )

@@ -22,6 +22,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -67,6 +68,8 @@ class BridgeConfig:
     media: dict[str, Medium | None] = field(default_factory=dict)
     tokenizer: str | None = None  # for the parity check; None: the model name, its root
     chat_template: str | None = None  # jinja source (--chat-template), for the parity check
+    # the engine's --default-chat-template-kwargs, for the parity check
+    template_defaults: dict[str, Any] | None = None
     check_tokenizer: bool = True
     heartbeat_s: float = 1.0
     info_ttl_s: float = 5.0
@@ -399,7 +402,7 @@ class Bridge:
                 sources = list(dict.fromkeys([self.config.model, self.engine_root or ""]))
             template = self.config.chat_template
             tokenizer, source = await asyncio.to_thread(
-                load_first, [s for s in sources if s], template
+                load_first, [s for s in sources if s], template, self.config.template_defaults
             )
             await self._wait_for_model()
             c = self.config

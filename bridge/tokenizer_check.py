@@ -11,6 +11,8 @@ uses: ``SegmentCache`` over ``ChatTokenizer``) and by the engine's ``POST /token
 id. Prints a pass/fail line per case and exits 1 on any failure. With ``--chat-template
 FILE`` the gateway's side renders with that template, as a gateway started with the same
 flag does; the engine's side is what its own start-up template makes of a plain request.
+``--default-chat-template-kwargs JSON`` likewise gives the gateway's side the variables
+the engine was started with.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from bridge.engine_auth import add_engine_access_flags, engine_api_key, engine_headers
+from prefixgate.chat_input import template_defaults
 from prefixgate.envflags import add_env_flag
 from prefixgate.segments import SegmentCache
 from prefixgate.tls import client_context, client_tls_from_args
@@ -67,25 +70,35 @@ class CaseResult(NamedTuple):
     detail: str  # where they first differ, or the engine's error
 
 
-def load_first(sources: list[str], chat_template: str | None = None) -> tuple[SegmentCache, str]:
+def load_first(
+    sources: list[str],
+    chat_template: str | None = None,
+    template_defaults: dict[str, Any] | None = None,
+) -> tuple[SegmentCache, str]:
     """``load_tokenizer`` of the first of ``sources`` that loads, and that source, as the
     gateway tries a model's name and then its engine's ``root``; the last failure when
     none does."""
     for i, source in enumerate(sources):
         try:
-            return load_tokenizer(source, chat_template), source
+            return load_tokenizer(source, chat_template, template_defaults), source
         except Exception:
             if i == len(sources) - 1:
                 raise
     raise ValueError("no tokenizer source")
 
 
-def load_tokenizer(name_or_dir: str, chat_template: str | None = None) -> SegmentCache:
+def load_tokenizer(
+    name_or_dir: str,
+    chat_template: str | None = None,
+    template_defaults: dict[str, Any] | None = None,
+) -> SegmentCache:
     """The gateway's tokenizer for the model; ``chat_template``: the jinja source of a
-    ``--chat-template`` that replaces the model's own, as the gateway applies it."""
+    ``--chat-template`` that replaces the model's own, and ``template_defaults`` a
+    ``--default-chat-template-kwargs``, as the gateway applies them."""
     tokenizer = ChatTokenizer.for_model(name_or_dir)
     if chat_template is not None:
         tokenizer.set_chat_template(chat_template)
+    tokenizer.template_defaults = dict(template_defaults or {})
     return SegmentCache(tokenizer)
 
 
@@ -203,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template (the engine must have been started with the same file: requests "
         "to /tokenize do not carry it)",
     )
+    add_env_flag(
+        p,
+        "default-chat-template-kwargs",
+        metavar="JSON",
+        help="the template variables the engine was started with (its "
+        "--default-chat-template-kwargs), as given to the gateway",
+    )
     return p
 
 
@@ -215,13 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         key = engine_api_key(args.engine_api_key)
         tls = client_tls_from_args(args, "engine")
         template = read_chat_template_file(args.chat_template) if args.chat_template else None
+        raw_defaults = args.default_chat_template_kwargs
+        defaults = template_defaults(raw_defaults) if raw_defaults is not None else None
         if args.model:
-            tokenizer = load_tokenizer(args.model, template)
+            tokenizer = load_tokenizer(args.model, template, defaults)
         else:
             card = asyncio.run(engine_card(args.engine_url.rstrip("/"), key, tls))
             root = card.get("root")
             sources = [str(card["id"]), *([root] if isinstance(root, str) and root else [])]
-            tokenizer, source = load_first(list(dict.fromkeys(sources)), template)
+            tokenizer, source = load_first(list(dict.fromkeys(sources)), template, defaults)
             print(f"the gateway's tokenizer: {source}")
         results = asyncio.run(
             check(args.engine_url, tokenizer, args.served_model, api_key=key, tls=tls)

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
 from gateway.sagemaker_sessions import session_seconds_from_env
+from prefixgate.chat_input import template_defaults
 from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
@@ -99,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a jinja chat template instead of the model's own, for every model or for "
         "MODEL (repeatable); start the model's replicas with the same --chat-template",
     )
+    add_env_list_flag(
+        p,
+        "default-chat-template-kwargs",
+        metavar="[MODEL=]JSON",
+        help="chat template variables where a request sets none, for every model or for "
+        "MODEL, as the model's vLLM replicas were given them with this flag",
+        separator=None,
+    )
     add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body")
     add_env_flag(p, "upstream-timeout-s", type=float, default=600.0, help="per upstream request")
@@ -167,6 +176,24 @@ def chat_template_flags(values: list[str]) -> tuple[Path | None, dict[str, Path]
     return (Path(every) if every is not None else None), paths
 
 
+def template_defaults_flags(values: list[str]) -> dict[str, dict[str, Any]]:
+    """``--default-chat-template-kwargs JSON`` (every model: the key "") and
+    ``MODEL=JSON``. A value that starts with ``{`` is for every model, whatever ``=`` its
+    JSON holds."""
+    out: dict[str, dict[str, Any]] = {}
+    for value in values:
+        model, sep, given = (
+            ("", "", value) if value.lstrip().startswith("{") else value.partition("=")
+        )
+        if (sep and not model) or (not sep and model):
+            raise ValueError(f"--default-chat-template-kwargs {value}: give MODEL=JSON or JSON")
+        if model in out:
+            where = f"for {model}" if model else "for every model"
+            raise ValueError(f"--default-chat-template-kwargs given twice {where}")
+        out[model] = template_defaults(given)
+    return out
+
+
 def tokenizer_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
     """``--tokenizer SRC`` (every model) and ``--tokenizer MODEL=SRC``."""
     return per_model_flag("tokenizer", "SRC", values)
@@ -231,6 +258,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_tokenizers=model_tokenizers,
         chat_template=chat_template,
         model_chat_templates=model_chat_templates,
+        template_defaults=template_defaults_flags(args.default_chat_template_kwargs),
         block_size=args.block_size,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         upstream_timeout_s=args.upstream_timeout_s,

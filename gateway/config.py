@@ -5,6 +5,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prefixgate.tls import client_context
 from router.config import RouterConfig
@@ -42,6 +43,8 @@ class GatewayConfig:
     # replicas serving a model must be started with the same one.
     chat_template: Path | None = None
     model_chat_templates: dict[str, Path] = field(default_factory=dict)
+    # --default-chat-template-kwargs: model ("" for every model) -> template variables
+    template_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_body_bytes: int = 16 * 1024 * 1024
     # Longest wait for the upstream's next byte (first byte included); then it counts as

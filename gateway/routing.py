@@ -37,7 +37,7 @@ import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from gateway.key_memo import KeyMemo
 from prefixgate.chat_input import ChatInput, chat_input, content_text
@@ -121,6 +121,7 @@ class KeyBuilder:
         "_loading",
         "_model_tokenizers",
         "_override",
+        "_template_defaults",
         "_tokenizers",
         "_tried",
         "memo",
@@ -137,6 +138,7 @@ class KeyBuilder:
         chat_template: str | None = None,
         memo_bytes: int = 64 << 20,
         tokenizers: Mapping[str, str] | None = None,
+        template_defaults: Mapping[str, dict[str, Any]] | None = None,
     ) -> None:
         self._override = tokenizer
         self._model_tokenizers = dict(tokenizers or {})  # model -> source (--tokenizer M=SRC)
@@ -147,6 +149,9 @@ class KeyBuilder:
         # must use the same one, or keys and cached blocks never match.
         self._chat_templates = dict(chat_templates or {})
         self._chat_template = chat_template  # for models without their own
+        # model ("" for every model) -> --default-chat-template-kwargs: the variables its
+        # replicas give a template where a request sets none (prefixgate/chat_input.py)
+        self._template_defaults = dict(template_defaults or {})
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._tried: dict[str, set[str]] = {}  # model -> sources that failed to load
         self._loading: dict[str, asyncio.Task[None]] = {}
@@ -184,6 +189,9 @@ class KeyBuilder:
                 continue
             try:
                 tokenizer = self._loader(source, self.chat_template_for(model))
+                defaults = self._template_defaults.get(model, self._template_defaults.get(""))
+                if defaults is not None and hasattr(tokenizer, "template_defaults"):
+                    tokenizer.template_defaults = dict(defaults)
             except Exception as exc:  # no such folder, no tokenizer files, Hub unreachable
                 tried.add(source)
                 failures.append(f"{source}: {exc}")

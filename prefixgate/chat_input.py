@@ -19,7 +19,12 @@ agree, and both agree with a vLLM engine serving the same template:
   system messages merged into the first (``prefixgate.tokenizer``, as vLLM does);
 * ``tools`` as ``prefixgate.tools.tool_dicts``; ``documents``,
   ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
-  passed through as transformers' ``apply_chat_template`` passes them.
+  passed through as transformers' ``apply_chat_template`` passes them;
+* ``reasoning_effort`` reaches the template as a variable, and, unless the request's
+  ``chat_template_kwargs`` name it, so does ``enable_thinking`` (false for "none"): the
+  way vLLM 0.32 turns a reasoning request into the switch Qwen3's, SmolLM3's and Gemma's
+  templates read. The request's own fields win over its ``chat_template_kwargs``, and
+  both over the server's ``--default-chat-template-kwargs`` (``ChatInput.variables``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ BILLING_HEADER = "x-anthropic-billing-header"
 # Template variables the request may not set through chat_template_kwargs: the renderer
 # sets them itself.
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "chat_template", "tokenize"})
+# Values that leave a variable as a lower layer set it (vLLM's ``merge_kwargs``).
+UNSET = (None, "auto")
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,24 +55,56 @@ class ChatInput:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_effort: str | None = None
 
     @classmethod
     def plain(cls, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> ChatInput:
         """Role/content messages with nothing else (benchmarks, tests, tools)."""
         return cls(messages=messages, add_generation_prompt=add_generation_prompt)
 
-    def variables(self) -> dict[str, Any]:
-        """The template's variables (without special tokens), as transformers sets them:
-        ``chat_template_kwargs`` may override the named ones, as vLLM merges them."""
-        out: dict[str, Any] = {
-            "messages": [dict(m) for m in self.messages],
-            "tools": self.tools,
-            "documents": self.documents,
+    def variables(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The template's variables (without special tokens), layered as vLLM 0.32 layers
+        them: the server's ``defaults`` (``--default-chat-template-kwargs``), then the
+        request's ``chat_template_kwargs``, then its own fields (``documents``, the
+        generation prompt's two, ``reasoning_effort`` and the ``enable_thinking`` it
+        implies); a value in ``UNSET`` leaves what is below it."""
+        fields: dict[str, Any] = {
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
+            "documents": self.documents,
+            "reasoning_effort": self.reasoning_effort,
         }
-        out.update(self.template_kwargs)
-        return out
+        if self.reasoning_effort is not None and "enable_thinking" not in self.template_kwargs:
+            fields["enable_thinking"] = self.reasoning_effort != "none"
+        kwargs = _layered(defaults or {}, _layered(self.template_kwargs, fields))
+        return {
+            "messages": [dict(m) for m in self.messages],
+            "tools": self.tools,
+            "documents": None,  # transformers passes its own arguments, set or not
+            **kwargs,
+        }
+
+
+def _layered(below: dict[str, Any], above: dict[str, Any]) -> dict[str, Any]:
+    return below | {k: v for k, v in above.items() if not _unset(v)}
+
+
+def _unset(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value in UNSET)
+
+
+def template_defaults(text: str, flag: str = "--default-chat-template-kwargs") -> dict[str, Any]:
+    """A ``--default-chat-template-kwargs`` value: a JSON object, as vLLM's flag takes it;
+    ValueError otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {text!r}: not JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} {text!r}: expected a JSON object")
+    if reserved := sorted(RESERVED_TEMPLATE_VARS & value.keys()):
+        raise ValueError(f"{flag} may not set {', '.join(reserved)}")
+    return value
 
 
 def chat_input(req: ChatCompletionRequest) -> ChatInput:
@@ -90,6 +129,7 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         template_kwargs=kwargs,
+        reasoning_effort=req.reasoning_effort,
     )
 
 

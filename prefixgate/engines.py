@@ -72,6 +72,8 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
         cmd += ["--data-parallel-size", str(args.data_parallel_size)]
     if args.chat_template is not None:
         cmd += ["--chat-template", str(args.chat_template)]
+    if args.default_chat_template_kwargs is not None:
+        cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     if args.tool_call_parser is not None:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     for extra in args.engine_arg or ():
@@ -98,4 +100,6 @@ def bridge_command(
     cmd += ["--redis-url", redis_url, "--model", served, "--tokenizer", args.model]
     if args.chat_template is not None:  # the engine renders with it: so must the parity check
         cmd += ["--chat-template", str(args.chat_template)]
+    if args.default_chat_template_kwargs is not None:
+        cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     return cmd

@@ -57,16 +57,19 @@ def add_env_list_flag(
     *,
     help: str = "",
     metavar: str | None = None,
+    separator: str | None = ",",
 ) -> argparse.Action:
-    """Repeatable ``--name``; without it on the command line, the comma-separated items
-    of ``PREFIXGATE_NAME`` (none when unset). The parsed value is always a list."""
+    """Repeatable ``--name``; without it on the command line, the items of
+    ``PREFIXGATE_NAME`` split at ``separator`` (None: the whole value is one item; none
+    when unset). The parsed value is always a list."""
     var = env_var(name)
+    split = "comma-separated" if separator == "," else "one value"
     return parser.add_argument(
         f"--{name}",
         action=_ReplacingAppend,
-        default=env_list(name),
+        default=env_list(name, separator),
         metavar=metavar,
-        help=f"{help} (repeatable; env {var}, comma-separated)".lstrip(),
+        help=f"{help} (repeatable; env {var}, {split})".lstrip(),
     )
 
 
@@ -114,6 +117,9 @@ def api_key_value(flag: str, value: str | None) -> str | None:
     return value
 
 
-def env_list(name: str) -> list[str]:
-    """The comma-separated items of ``PREFIXGATE_NAME`` (none when unset)."""
-    return [item.strip() for item in os.environ.get(env_var(name), "").split(",") if item.strip()]
+def env_list(name: str, separator: str | None = ",") -> list[str]:
+    """The items of ``PREFIXGATE_NAME`` split at ``separator`` (None: one item; none
+    when unset)."""
+    raw = os.environ.get(env_var(name), "")
+    items = raw.split(separator) if separator is not None else [raw]
+    return [item.strip() for item in items if item.strip()]

@@ -50,6 +50,7 @@ class ChatSource(Protocol):
     """What the cache needs from prefixgate.tokenizer.ChatTokenizer."""
 
     tokenizer: HFTokenizer
+    template_defaults: dict[str, Any]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -136,6 +137,15 @@ class SegmentCache:
     @property
     def enabled(self) -> bool:
         return self._splitter is not None
+
+    @property
+    def template_defaults(self) -> dict[str, Any]:
+        """The wrapped tokenizer's (prefixgate/tokenizer.py ``ChatTokenizer``)."""
+        return self.inner.template_defaults
+
+    @template_defaults.setter
+    def template_defaults(self, value: dict[str, Any]) -> None:
+        self.inner.template_defaults = value
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text)

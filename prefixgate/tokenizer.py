@@ -175,6 +175,8 @@ class ChatTokenizer:
         self.template_reads: frozenset[str] = frozenset()
         self.developer_role = False
         self.content_format: ContentFormat = "string"
+        # the server's --default-chat-template-kwargs, under each request's (chat_input.py)
+        self.template_defaults: dict[str, Any] = {}
         self.set_chat_template(chat_template)
         self.eos_token_ids = eos_token_ids
         bos = special_tokens.get("bos_token")
@@ -247,7 +249,7 @@ class ChatTokenizer:
                 "the server with --chat-template FILE",
                 param="messages",
             )
-        variables = chat.variables()
+        variables = chat.variables(self.template_defaults)
         variables["messages"] = shaped_messages(variables["messages"], self.content_format)
         if not self.developer_role:
             variables["messages"] = without_developer_role(variables["messages"])

@@ -82,6 +82,8 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
         cmd += ["--sim-profile", args.sim_profile]
     if args.chat_template is not None:
         cmd += ["--chat-template", str(args.chat_template)]
+    if args.default_chat_template_kwargs is not None:
+        cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     if args.tool_call_parser is not None:
         cmd += ["--tool-call-parser", args.tool_call_parser]
     return cmd
@@ -103,6 +105,8 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--api-keys", str(args.api_keys)]
     if args.chat_template is not None:  # the replicas render with it: keys must agree
         cmd += ["--chat-template", str(args.chat_template)]
+    if args.default_chat_template_kwargs is not None:  # so do these
+        cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     return cmd
 
 
@@ -333,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
         "gateway alike (their keys then agree)",
     )
     add(
+        "--default-chat-template-kwargs",
+        metavar="JSON",
+        help='chat template variables where a request sets none, e.g. \'{"enable_thinking": '
+        "false}', for the replicas (or engines) and the gateway alike",
+    )
+    add(
         "--tool-call-parser",
         choices=["hermes"],
         help="the replicas parse tool calls from the model's text (tool_choice auto)",
@@ -377,6 +387,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--api-keys {args.api_keys}: no such file")
     if args.chat_template is not None and not args.chat_template.is_file():
         parser.error(f"--chat-template {args.chat_template}: no such file")
+    if args.default_chat_template_kwargs is not None:
+        from prefixgate.chat_input import template_defaults
+
+        try:
+            template_defaults(args.default_chat_template_kwargs)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.run_dir is None:
         args.run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     return args

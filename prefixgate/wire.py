@@ -218,6 +218,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; vLLM also hands it to the template (prefixgate/chat_input.py)
+    reasoning_effort: str | None = None
 
     @field_validator("top_logprobs")
     @classmethod

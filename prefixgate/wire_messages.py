@@ -110,12 +110,29 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
             raise _invalid("messages", f"role {role!r} is not user or assistant")
         chat += _message(role, message.get("content"))
     chat_body: dict[str, Any] = {"model": body.get("model"), "messages": chat}
+    if (effort := reasoning_effort(body)) is not None:
+        chat_body["reasoning_effort"] = effort
+    if body.get("chat_template_kwargs") is not None:  # vLLM's extension, passed on
+        chat_body["chat_template_kwargs"] = body["chat_template_kwargs"]
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise _invalid("tools", "must be a list of tools")
         chat_body["tools"] = [{"type": "function", "function": _function(t)} for t in tools]
     return chat_body
+
+
+def reasoning_effort(body: dict[str, Any]) -> Any:
+    """The ``reasoning_effort`` vLLM 0.32 renders a Messages request with (its template
+    reads it, and ``enable_thinking`` from it): ``output_config.effort``, and "none" when
+    ``thinking`` is disabled. (vLLM probes its template once and says "low" there
+    instead when the template refuses "none" or renders it as it renders some effort, as
+    GLM's do; keys from "none" then part from its blocks where the effort is rendered.)"""
+    output_config, thinking = body.get("output_config"), body.get("thinking")
+    effort = output_config.get("effort") if isinstance(output_config, dict) else None
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        return "none"
+    return effort
 
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:

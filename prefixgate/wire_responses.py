@@ -194,6 +194,11 @@ def _response_format(text: object) -> dict[str, Any] | None:
     return None
 
 
+def _reasoning_effort(reasoning: Any) -> Any:
+    """``reasoning.effort``, which vLLM hands the chat template as ``reasoning_effort``."""
+    return reasoning.get("effort") if isinstance(reasoning, dict) else None
+
+
 def chat_body(
     req: ResponsesRequest, history: list[dict[str, Any]], lenient: bool = False
 ) -> dict[str, Any]:
@@ -214,6 +219,9 @@ def chat_body(
         "parallel_tool_calls": req.parallel_tool_calls,
         "cache_salt": getattr(req, "cache_salt", None),
         "response_format": _response_format(getattr(req, "text", None)),
+        # the template's variables, as vLLM 0.32 sets them (prefixgate/chat_input.py)
+        "reasoning_effort": _reasoning_effort(getattr(req, "reasoning", None)),
+        "chat_template_kwargs": getattr(req, "chat_template_kwargs", None),
     }
     body.update({k: v for k, v in optional.items() if v is not None})
     return body

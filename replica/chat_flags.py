@@ -1,11 +1,13 @@
 """The replica's chat flags, as vLLM spells them: ``--chat-template FILE`` (instead of the
 model's own template; the gateway must be given the same file for the model, or its keys
-never match the replica's blocks) and ``--tool-call-parser hermes``."""
+never match the replica's blocks), ``--default-chat-template-kwargs JSON`` (the template's
+variables where a request sets none; the gateway too) and ``--tool-call-parser hermes``."""
 
 from __future__ import annotations
 
 import argparse
 
+from prefixgate.chat_input import template_defaults
 from prefixgate.envflags import add_env_flag
 from prefixgate.tokenizer import ChatTokenizer, read_chat_template_file
 from replica.tool_parser import TOOL_CALL_PARSERS
@@ -20,6 +22,13 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
     )
     add_env_flag(
         p,
+        "default-chat-template-kwargs",
+        metavar="JSON",
+        help='chat template variables where a request sets none, e.g. \'{"enable_thinking": '
+        "false}' (vLLM's flag; give the gateway the same)",
+    )
+    add_env_flag(
+        p,
         "tool-call-parser",
         choices=list(TOOL_CALL_PARSERS),
         help="parse tool calls from the model's text (tool_choice auto); without it, "
@@ -28,7 +37,10 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
 
 
 def apply_chat_template_flag(args: argparse.Namespace, tokenizer: ChatTokenizer) -> None:
-    """Install ``--chat-template`` on the model's tokenizer; ValueError when unreadable."""
+    """Install ``--chat-template`` and ``--default-chat-template-kwargs`` on the model's
+    tokenizer; ValueError when unreadable."""
+    if args.default_chat_template_kwargs is not None:
+        tokenizer.template_defaults = template_defaults(args.default_chat_template_kwargs)
     if args.chat_template is not None:
         try:
             tokenizer.set_chat_template(read_chat_template_file(args.chat_template))
