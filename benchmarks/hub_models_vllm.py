@@ -49,7 +49,14 @@ def documents(count: int, words: int, seed: int) -> list[str]:
 class Stack:
     """Redis, a bridge per engine and a gateway, run from ``tree``."""
 
-    def __init__(self, tree: str, engines: list[list[str]], workdir: Path) -> None:
+    def __init__(
+        self,
+        tree: str,
+        engines: list[list[str]],
+        workdir: Path,
+        gateway_args: list[str] | None = None,
+        bridge_args: list[str] | None = None,
+    ) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
         redis_port = free_port()
@@ -59,10 +66,11 @@ class Stack:
             cmd = [sys.executable, "-m", "prefixgate", "bridge", "--engine-url", url]
             cmd += ["--kv-events", f"tcp://127.0.0.1:{events}"]
             cmd += ["--replay", f"tcp://127.0.0.1:{replay}", "--redis-url", redis_url]
+            cmd += bridge_args or []
             self.procs.append(self._start(cmd, tree, env, workdir / f"bridge-{i}.log"))
         self.port = free_port()
         cmd = [sys.executable, "-m", "prefixgate", "gateway", "--port", str(self.port)]
-        cmd += ["--redis-url", redis_url]
+        cmd += ["--redis-url", redis_url, *(gateway_args or [])]
         self.procs.append(self._start(cmd, tree, env, workdir / "gateway.log"))
         self.url = f"http://127.0.0.1:{self.port}"
         wait_http_ok(f"{self.url}/ready?min_replicas={len(engines)}", 120, self.procs)
