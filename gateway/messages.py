@@ -35,6 +35,7 @@ from gateway.handler import (
     read_body,
     refuse_salted,
     served_model,
+    without_report_mode,
     without_transfer_params,
 )
 from gateway.messages_hooks import MessagesHooks
@@ -82,7 +83,9 @@ async def _serve(
         served=route_model is not None,
         key_model=key_model,
     )
-    if without_transfer_params(state, tenant, body):
+    # vLLM 0.32's Messages API takes vllm_xargs and the transfer fields too (handler.py)
+    changed = without_report_mode(body)
+    if without_transfer_params(state, tenant, body) or changed:
         raw = json.dumps(body, separators=(",", ":")).encode()
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None

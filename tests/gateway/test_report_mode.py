@@ -27,6 +27,7 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {**CHAT, "stream": True, "vllm_xargs": XARGS}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "vllm_xargs": XARGS}),
     ("/v1/chat/completions/batch", {**CHAT, "messages": [CHAT["messages"]], "vllm_xargs": XARGS}),
+    ("/v1/messages", {**CHAT, "vllm_xargs": XARGS}),  # vLLM 0.32's Messages API takes them
 ]
 
 
