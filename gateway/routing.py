@@ -287,6 +287,7 @@ class KeyBuilder:
             and size <= RENDER_INLINE_FACTOR * self._inline_chars
             and isinstance(tokenizer, PieceTokenizer)
             and not any(map(has_media, chat.messages))
+            and not chat.add_special_tokens
         ):
             text = tokenizer.render(chat_input(chat))
             if tokenizer.uncached_chars(text) <= self._inline_chars:
@@ -322,7 +323,8 @@ def prompt_keys(
         if not isinstance(prompt, str):  # token ids: exact whatever the tokenizer
             return PromptKeys(keys(prompt), len(prompt) * copies, True)
         if tokenizer is not None:
-            ids, tokens = _head_ids(tokenizer.encode, prompt, block_size)
+            encode = _text_encoder(tokenizer, request.add_special_tokens)
+            ids, tokens = _head_ids(encode, prompt, block_size)
             return PromptKeys(keys(ids), tokens * copies, True)
         text = prompt
     else:
@@ -335,7 +337,8 @@ def prompt_keys(
             return PromptKeys(keys(ids), len(ids), tokenizer is not None)
         chat = chat_input(request)
         if isinstance(tokenizer, PieceTokenizer):
-            ids, tokens = _head_ids(tokenizer.encode_rendered, tokenizer.render(chat), block_size)
+            encode = _text_encoder(tokenizer, request.add_special_tokens)
+            ids, tokens = _head_ids(encode, tokenizer.render(chat), block_size)
             return PromptKeys(keys(ids), tokens, True)
         if tokenizer is not None:
             ids = tokenizer.encode_input(chat)
@@ -345,6 +348,15 @@ def prompt_keys(
     byte_space = KeySpace(f"bytes:{model}", block_size, salt)
     byte_keys = byte_space.short_keys if memo is None else partial(memo.short_keys, byte_space)
     return PromptKeys(byte_keys(words), len(words) * copies, False)
+
+
+def _text_encoder(tokenizer: Tokenizer, special: bool) -> Callable[[str], list[int]]:
+    """How the engine encodes a prompt's text (vLLM's ``add_special_tokens``): with the
+    tokenizer's special tokens (a BOS), or as it stands, for text that holds them already.
+    A tokenizer that cannot leave them out (no ``encode_rendered``) encodes as usual."""
+    if special or not isinstance(tokenizer, PieceTokenizer):
+        return tokenizer.encode
+    return tokenizer.encode_rendered
 
 
 def _byte_keys(space: KeySpace, memo: KeyMemo | None, ids: Sequence[int]) -> list[bytes]:

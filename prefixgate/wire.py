@@ -220,6 +220,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's; vLLM also hands it to the template (prefixgate/chat_input.py)
     reasoning_effort: str | None = None
+    # vLLM's: the tokenizer's own special tokens (a BOS) added to the rendered chat too
+    add_special_tokens: bool = False
 
     @field_validator("top_logprobs")
     @classmethod
@@ -244,6 +246,9 @@ class CompletionRequest(_SamplingFields):
     prompt_embeds: str | list[str] | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=LOGPROBS_ALL)
+    # vLLM's: false for a prompt that holds its special tokens already (a chat rendered
+    # by the client, BOS included), which the tokenizer must not add again
+    add_special_tokens: bool = True
     # 0 with ``echo``: the prompt alone, scored (vLLM's, after OpenAI's legacy API).
     max_tokens: int | None = Field(default=None, ge=0)
 

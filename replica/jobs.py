@@ -155,7 +155,8 @@ def job_from_chat(body: object, replica: Replica) -> Job:
     encoder = replica.chats or replica.loaded.tokenizer
     text = encoder.render(chat)
     max_context = int(replica.loaded.max_context)
-    prompt_ids = encode_within(encoder.encode_rendered, text, max_context, "messages")
+    encode = encoder.encode if req.add_special_tokens else encoder.encode_rendered
+    prompt_ids = encode_within(encode, text, max_context, "messages")
     params = _sampling(req, req.max_new_tokens, len(prompt_ids), replica, "messages")
     params.grammar = grammar
     return Job(
@@ -330,7 +331,8 @@ def _completion_job(
         if not prompt:
             raise OpenAIError("prompt must not be empty", param="prompt", code="invalid_value")
         max_context = int(replica.loaded.max_context)
-        prompt_ids = encode_within(tokenizer.encode, prompt, max_context, "prompt")
+        encode = tokenizer.encode if req.add_special_tokens else tokenizer.encode_rendered
+        prompt_ids = encode_within(encode, prompt, max_context, "prompt")
         prompt_text = prompt
     else:
         check_in_vocab(prompt, _vocab_size(replica), "prompt")
