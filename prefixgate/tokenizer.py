@@ -19,7 +19,7 @@ from typing import Any
 
 import jinja2
 from jinja2 import meta
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -81,9 +81,24 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class GenerationBlocks(Extension):
+    """``{% generation %}...{% endgeneration %}``: the assistant's text, marked for a
+    training loss mask. TRL saves templates with these in fine-tuned models, NeMo's
+    Llama 3.1 template has them; transformers and vLLM render the block's body as it
+    stands (transformers also records where it fell, when asked for a mask). Without the
+    tag, such a template did not compile here, and its model's chats were keyed by bytes."""
+
+    tags = {"generation"}  # noqa: RUF012 - a set, as jinja's Extension declares it
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)  # its assignments stay inside, as a call's
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -151,6 +151,37 @@ def test_template_exception_is_an_openai_error(tmp_path: Path, tokenizer_dir: Pa
     assert rendered == '"é <b>"<|im_end|>'
 
 
+# ``{% generation %}`` blocks (a training loss mask's, saved by TRL in fine-tuned models)
+GENERATION_TEMPLATES = [
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == "
+    "'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "A\n   {%+ generation %}\n   X\n   {% endgeneration +%}\n   B",
+    "A\n   {%- generation %}\n   X\n   {% endgeneration -%}\n   B",
+    # an assignment inside stays inside, as in transformers' call block
+    "{% set x = 1 %}{% generation %}{% set x = 2 %}{{ x }}{% endgeneration %}{{ x }}",
+]
+
+
+@pytest.mark.parametrize("source", GENERATION_TEMPLATES)
+def test_generation_blocks_render_as_transformers_renders_them(
+    tmp_path: Path, tokenizer_dir: Path, reference: PreTrainedTokenizerBase, source: str
+) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(source)
+    tagged = ChatTokenizer.from_dir(tmp_path)  # the model's own template, tags and all
+    messages = CONVERSATIONS[1]
+    expected = reference.apply_chat_template(
+        messages, chat_template=source, tokenize=False, add_generation_prompt=True
+    )
+    assert tagged.apply_chat_template(messages) == expected
+    assert tagged.encode_chat(messages) == reference.apply_chat_template(
+        messages, chat_template=source, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+
+
 def test_template_from_tokenizer_config_and_missing_template(
     tmp_path: Path, tokenizer_dir: Path
 ) -> None:
