@@ -29,6 +29,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +53,32 @@ def request(way: str, model: str, turns: list[str]) -> tuple[str, dict[str, Any]
     return "/v1/completions", {"model": model, "prompt": "\n\n".join(turns), "max_tokens": 1}
 
 
-def run(tree: str, label: str, engines: list[list[str]], args: argparse.Namespace) -> None:
-    texts = documents(args.chats * len(WAYS) * args.turns, args.words, args.seed)
-    chats = [texts[i * args.turns : (i + 1) * args.turns] for i in range(args.chats * len(WAYS))]
+Request = Callable[[str, str, list[str]], tuple[str, dict[str, Any]]]
+
+
+def run(
+    tree: str,
+    label: str,
+    engines: list[list[str]],
+    args: argparse.Namespace,
+    ways: Sequence[str] = WAYS,
+    request: Request = request,
+) -> None:
+    """``args.chats`` conversations per way, their turns ``args.wait_s`` apart, through a
+    stack from ``tree``; ``request(way, model, turns)``: a turn's path and body."""
+    texts = documents(args.chats * len(ways) * args.turns, args.words, args.seed)
+    chats = [texts[i * args.turns : (i + 1) * args.turns] for i in range(args.chats * len(ways))]
     with tempfile.TemporaryDirectory() as work:
         stack = Stack(tree, engines, Path(work))
         try:
             reset(engines, args.model)
             last: dict[int, str] = {}
-            totals = {way: [0, 0, 0, 0, 0] for way in WAYS}  # turns, followed, predicted, ...
+            totals = {way: [0, 0, 0, 0, 0] for way in ways}  # turns, followed, predicted, ...
             for turn in range(args.turns):
                 if turn:
                     time.sleep(args.wait_s)  # the conversation's pause, not a wait for a server
                 for c, chat in enumerate(chats):
-                    way = WAYS[c // args.chats]
+                    way = ways[c // args.chats]
                     path, body = request(way, args.model, chat[: turn + 1])
                     replica, route, prompt, cached = ask(stack.url, path, body)
                     if turn:
@@ -87,17 +100,21 @@ def run(tree: str, label: str, engines: list[list[str]], args: argparse.Namespac
             stack.stop()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(doc: str, model: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--engine", action="append", required=True, metavar="URL,EVENTS,REPLAY")
     p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR")
-    p.add_argument("--model", default="bos-model")
+    p.add_argument("--model", default=model)
     p.add_argument("--chats", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--words", type=int, default=200)
     p.add_argument("--wait-s", type=float, default=35.0)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser(__doc__, "bos-model").parse_args()
     engines = [e.split(",") for e in args.engine]
     for name, tree in [t.split("=", 1) for t in args.tree] or [["this", "."]]:
         run(tree, name, engines, args)
