@@ -44,6 +44,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = "v1"
 # The files that make a tokenizer folder; copied next to the weights of builtin models.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# A model's named chat templates (prefixgate/tokenizer.py TEMPLATES_DIR)
+TEMPLATES_PATTERN = "additional_chat_templates/*.jinja"
 # What ChatTokenizer.from_dir reads, fetched from the Hub for a model named by its id.
 HUB_TOKENIZER_FILES = (*TOKENIZER_FILES, "generation_config.json")
 # ... and what the built-in replica loads of one: configuration, safetensors weights.
@@ -213,9 +215,10 @@ def hub_snapshot(repo_id: str, patterns: tuple[str, ...], what: str) -> Path:
 
     try:
         # The top folder only: some repositories keep other formats in folders of their own.
-        return Path(
-            snapshot_download(repo_id, allow_patterns=list(patterns), ignore_patterns=["*/*"])
-        )
+        path = snapshot_download(repo_id, allow_patterns=list(patterns), ignore_patterns=["*/*"])
+        # ... and the named chat templates beside the default ("tool_use": transformers 5)
+        snapshot_download(repo_id, allow_patterns=[TEMPLATES_PATTERN])
+        return Path(path)
     except Exception as exc:  # offline and not cached, no such repo, gated, network
         first_line = (str(exc).splitlines() or [""])[0]
         raise ModelNotFoundError(

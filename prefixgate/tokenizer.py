@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -154,15 +155,48 @@ def _token_content(value: Any) -> str | None:
     return str(value) if value is not None else None
 
 
-def _read_chat_template(path: Path, config: dict[str, Any]) -> str | None:
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
+# Where transformers (5) keeps a model's named templates beside ``chat_template.jinja``.
+TEMPLATES_DIR = "additional_chat_templates"
+TOOL_USE = "tool_use"  # the named template transformers and vLLM render chats with tools by
+
+
+def _read_chat_templates(path: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The model's templates by name, as transformers loads them: "default" from
+    ``chat_template.jinja`` (else the config's ``chat_template``), the others from
+    ``additional_chat_templates/NAME.jinja`` or the config's list of named templates."""
+    templates: dict[str, str] = {}
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {entry["name"]: entry["template"] for entry in template}
-        return named.get("default")
-    return template if isinstance(template, str) else None
+        templates.update({entry["name"]: entry["template"] for entry in template})
+    elif isinstance(template, str):
+        templates["default"] = template
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        templates["default"] = jinja_file.read_text()
+    for named in sorted((path / TEMPLATES_DIR).glob("*.jinja")):
+        templates[named.name.removesuffix(".jinja")] = named.read_text()
+    return templates
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A chat template compiled, with what vLLM detects of it once."""
+
+    source: str
+    compiled: jinja2.Template
+    reads: frozenset[str]  # the variables it reads
+    content_format: ContentFormat  # vLLM's "auto" detection
+    developer_role: bool  # vLLM's test: it names the role, and handles developer messages
+
+    @classmethod
+    def of(cls, source: str) -> _Template:
+        return cls(
+            source=source,
+            compiled=compile_chat_template(source),
+            reads=template_variables(source),
+            content_format=detect_content_format(_environment().parse(source)),
+            developer_role='"developer"' in source or "'developer'" in source,
+        )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -185,11 +219,9 @@ class ChatTokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.special_tokens = special_tokens
-        self.chat_template: str | None = None
-        self._template: jinja2.Template | None = None
-        self.template_reads: frozenset[str] = frozenset()
-        self.developer_role = False
-        self.content_format: ContentFormat = "string"
+        self._default: _Template | None = None
+        # the model's "tool_use" template, for chats that carry tools (transformers' choice)
+        self._tool_use: _Template | None = None
         # the server's --default-chat-template-kwargs, under each request's (chat_input.py)
         self.template_defaults: dict[str, Any] = {}
         self.set_chat_template(chat_template)
@@ -220,7 +252,11 @@ class ChatTokenizer:
         for token_id in extra if isinstance(extra, list) else [extra]:
             if isinstance(token_id, int) and token_id not in eos_ids:
                 eos_ids.append(token_id)
-        return cls(tokenizer, special_tokens, _read_chat_template(path, config), eos_ids, path.name)
+        templates = _read_chat_templates(path, config)
+        loaded = cls(tokenizer, special_tokens, templates.get("default"), eos_ids, path.name)
+        if TOOL_USE in templates:
+            loaded._tool_use = _Template.of(templates[TOOL_USE])
+        return loaded
 
     @classmethod
     def for_model(cls, name_or_path: str) -> ChatTokenizer:
@@ -229,27 +265,47 @@ class ChatTokenizer:
         return tokenizer
 
     def set_chat_template(self, source: str | None) -> None:
-        """Use ``source`` (a ``--chat-template``) instead of the model's own template."""
-        self.chat_template = source
-        self._template = compile_chat_template(source) if source else None
-        self.template_reads = template_variables(source) if source else frozenset()
-        # Detected once per template, as vLLM's "auto" content format does.
-        self.content_format = (
-            detect_content_format(_environment().parse(source)) if source else "string"
-        )
-        # vLLM's test: a template that names the role handles developer messages itself.
-        self.developer_role = source is not None and (
-            '"developer"' in source or "'developer'" in source
-        )
+        """Use ``source`` (a ``--chat-template``) instead of the model's own templates, for
+        every chat, as vLLM does."""
+        self._default = _Template.of(source) if source else None
+        self._tool_use = None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default template's source."""
+        return self._default.source if self._default is not None else None
+
+    @property
+    def template_reads(self) -> frozenset[str]:
+        return self._default.reads if self._default is not None else frozenset()
+
+    @property
+    def content_format(self) -> ContentFormat:
+        return self._default.content_format if self._default is not None else "string"
+
+    @property
+    def developer_role(self) -> bool:
+        return self._default is not None and self._default.developer_role
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return self._default is not None
 
     @property
     def template_ignores_tools(self) -> bool:
-        """The template never reads ``tools``: tool definitions do not reach the prompt."""
-        return self._template is not None and "tools" not in self.template_reads
+        """No template of the model's reads ``tools``: tool definitions do not reach the
+        prompt."""
+        if self._tool_use is not None:
+            return "tools" not in self._tool_use.reads
+        return self._default is not None and "tools" not in self._default.reads
+
+    def _template_for(self, chat: ChatInput) -> _Template | None:
+        """The template a chat renders with: the model's "tool_use" one when the chat
+        carries tools (even none: ``tools: []``) and the model has one, else its default,
+        as transformers' ``get_chat_template`` chooses."""
+        if chat.tools is not None and self._tool_use is not None:
+            return self._tool_use
+        return self._default
 
     def encode(self, text: str) -> list[int]:
         """Ids of plain text, with whatever the tokenizer adds for plain text (as
@@ -258,18 +314,19 @@ class ChatTokenizer:
 
     def render(self, chat: ChatInput) -> str:
         """The prompt text of a chat, rendered as transformers renders it."""
-        if self._template is None:
+        template = self._template_for(chat)
+        if template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template; use /v1/completions or start "
                 "the server with --chat-template FILE",
                 param="messages",
             )
         variables = chat.variables(self.template_defaults)
-        variables["messages"] = shaped_messages(variables["messages"], self.content_format)
-        if not self.developer_role:
+        variables["messages"] = shaped_messages(variables["messages"], template.content_format)
+        if not template.developer_role:
             variables["messages"] = without_developer_role(variables["messages"])
         try:
-            rendered = self._template.render({**self.special_tokens, **variables})
+            rendered = template.compiled.render({**self.special_tokens, **variables})
         except jinja2.exceptions.TemplateError as error:
             raise ChatTemplateError(
                 f"the model's chat template rejected the messages: {error}", param="messages"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from prefixgate.chat_input import ChatInput
 from prefixgate.gguf_tokenizer import read_gguf_metadata
 from prefixgate.models import ensure_tokenizer_dir, smollm2_gguf_path
 from prefixgate.tokenizer import GIL_FREE_CHARS, ChatTemplateError, ChatTokenizer, encode_ids
@@ -179,6 +180,59 @@ def test_generation_blocks_render_as_transformers_renders_them(
     assert tagged.apply_chat_template(messages) == expected
     assert tagged.encode_chat(messages) == reference.apply_chat_template(
         messages, chat_template=source, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+
+
+TOOL_USE = (
+    "{% if tools is not none %}{{ 'tools: ' + (tools | map(attribute='function') | map(attribute="
+    "'name') | join(',')) + '\\n' }}{% endif %}{% for m in messages %}{{ m['role'] + ': ' + "
+    "m['content'] + '\\n' }}{% endfor %}"
+)
+TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+}
+
+
+@pytest.mark.parametrize("layout", ["folder", "config list"])
+def test_a_models_tool_use_template_renders_its_chats_with_tools(
+    tmp_path: Path, tokenizer_dir: Path, layout: str
+) -> None:
+    """A model with named templates (Hermes', Command R's) renders a chat that carries
+    tools with its "tool_use" one, as transformers and vLLM choose it; transformers 5 saves
+    it as ``additional_chat_templates/tool_use.jinja``, older ones in the config's list."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    default = (tokenizer_dir / "chat_template.jinja").read_text()
+    if layout == "folder":
+        (folder / "chat_template.jinja").write_text(default)
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "tool_use.jinja").write_text(TOOL_USE)
+    else:
+        config["chat_template"] = [
+            {"name": "default", "template": default},
+            {"name": "tool_use", "template": TOOL_USE},
+        ]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    ours = ChatTokenizer.from_dir(folder)
+    messages = CONVERSATIONS[1]
+    choices: list[Any] = [None, [TOOL], []]
+    for tools in choices:
+        expected = reference.apply_chat_template(
+            messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        chat = ChatInput(messages=messages, tools=tools)
+        assert ours.encode_input(chat) == expected, tools
+    assert ours.encode_input(ChatInput(messages=messages, tools=[TOOL])) != ours.encode_input(
+        ChatInput(messages=messages)
+    )
+    assert not ours.template_ignores_tools  # the default ignores them; tool_use reads them
+    ours.set_chat_template(default)  # a --chat-template: every chat, as vLLM's flag
+    assert ours.encode_input(ChatInput(messages=messages, tools=[TOOL])) == ours.encode_input(
+        ChatInput(messages=messages)
     )
 
 
