@@ -211,7 +211,9 @@ def chat_body(
         "stream": False,
     }
     optional = {
-        "tools": chat_tools(req.tools, lenient),
+        # none for an empty list: vLLM renders a Responses request without tools then
+        # (a chat's ``tools: []`` picks a model's "tool_use" template: prefixgate/tokenizer.py)
+        "tools": chat_tools(req.tools, lenient) or None,
         "tool_choice": chat_tool_choice(req.tool_choice),
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,

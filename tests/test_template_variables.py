@@ -125,6 +125,8 @@ def test_responses_and_messages_name_their_effort_as_vllm_reads_it() -> None:
     body = chat_body(request, [])
     assert body["reasoning_effort"] == "high" and body["chat_template_kwargs"] == {"x": 1}
     assert "reasoning_effort" not in chat_body(ResponsesRequest(model="m", input="hi"), [])
+    # vLLM renders a Responses request with no tools when its list is empty
+    assert "tools" not in chat_body(ResponsesRequest(model="m", input="hi", tools=[]), [])
     messages = {"model": "m", "messages": USER, "max_tokens": 1}
     assert "reasoning_effort" not in to_chat(messages)
     effort = {**messages, "output_config": {"effort": "max"}}
