@@ -23,25 +23,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from special_tokens_vllm import parser, run
+from special_tokens_vllm import chat_turns, run_trees
 
 WAYS = ("chat with the assistant's replies",)
 
 
 def request(way: str, model: str, turns: list[str]) -> tuple[str, dict[str, Any]]:
-    messages: list[dict[str, str]] = [{"role": "system", "content": "You keep notes."}]
-    for i, text in enumerate(turns):
-        messages.append({"role": "user", "content": text})
-        if i < len(turns) - 1:
-            messages.append({"role": "assistant", "content": f"Noted, part {i + 1}."})
-    return "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 1}
+    body = {"model": model, "messages": chat_turns(turns), "max_tokens": 1}
+    return "/v1/chat/completions", body
 
 
 def main() -> None:
-    args = parser(__doc__, "trl-model").parse_args()
-    engines = [e.split(",") for e in args.engine]
-    for name, tree in [t.split("=", 1) for t in args.tree] or [["this", "."]]:
-        run(tree, name, engines, args, WAYS, request)
+    run_trees(__doc__, "trl-model", WAYS, request)
 
 
 if __name__ == "__main__":

@@ -113,11 +113,27 @@ def parser(doc: str, model: str) -> argparse.ArgumentParser:
     return p
 
 
-def main() -> None:
-    args = parser(__doc__, "bos-model").parse_args()
+def chat_turns(turns: list[str]) -> list[dict[str, str]]:
+    """A conversation's chat up to its latest turn: a system prompt, then each turn's
+    user message, and the assistant's reply to each turn but the latest."""
+    messages = [{"role": "system", "content": "You keep notes."}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"Noted, part {i + 1}."})
+    return messages
+
+
+def run_trees(doc: str, model: str, ways: Sequence[str] = WAYS, request: Request = request) -> None:
+    """``run`` for each ``--tree`` of the command line (``doc``: the script's docstring)."""
+    args = parser(doc, model).parse_args()
     engines = [e.split(",") for e in args.engine]
     for name, tree in [t.split("=", 1) for t in args.tree] or [["this", "."]]:
-        run(tree, name, engines, args)
+        run(tree, name, engines, args, ways, request)
+
+
+def main() -> None:
+    run_trees(__doc__, "bos-model")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,26 @@ def write_api_keys(path: Path) -> Path:
     return path
 
 
+class OpenAndKeyed:
+    """A stub engine serving ``model`` behind two gateways: one in open mode, one in keyed
+    mode with ``write_api_keys``'s keys."""
+
+    def __init__(self, root: Path, model: str) -> None:
+        self.stub = start_stub(root, "stub", "--model", model)
+        keys = str(write_api_keys(root / "keys.json"))
+        self.open = start_gateway(root, "open", [self.stub.url])
+        self.keyed = start_gateway(root, "keyed", [self.stub.url], "--api-keys", keys)
+
+    def stop(self) -> None:
+        for server in (self.keyed, self.open, self.stub):
+            server.stop()
+
+    def received(self, path: str) -> list[dict[str, Any]]:
+        """What the stub was sent on ``path`` (its recent requests)."""
+        requests = httpx.get(self.stub.url + "/stub/requests").json()
+        return [r for r in requests if r.get("path") == path]
+
+
 @dataclass(slots=True)
 class StubCluster:
     gateway: Server

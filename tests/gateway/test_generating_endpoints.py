@@ -7,13 +7,12 @@ tenant's batch must not read, or time, another tenant's cached prefixes."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.gateway.conftest import Server, start_gateway, start_stub, write_api_keys
+from tests.gateway.conftest import OpenAndKeyed, Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,25 +25,14 @@ BODIES: dict[str, dict[str, Any]] = {
 }
 
 
-class Servers:
-    def __init__(self, root: Path) -> None:
-        self.stub = start_stub(root, "stub", "--model", MODEL)
-        keys = str(write_api_keys(root / "keys.json"))
-        self.open = start_gateway(root, "open", [self.stub.url])
-        self.keyed = start_gateway(root, "keyed", [self.stub.url], "--api-keys", keys)
-
-    def stop(self) -> None:
-        for server in (self.keyed, self.open, self.stub):
-            server.stop()
-
+class Servers(OpenAndKeyed):
     def seen(self, path: str) -> dict[str, Any]:
-        requests = httpx.get(self.stub.url + "/stub/requests").json()
-        return [r for r in requests if r.get("path") == path][-1]  # type: ignore[no-any-return]
+        return self.received(path)[-1]
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    s = Servers(tmp_path_factory.mktemp("generating"))
+    s = Servers(tmp_path_factory.mktemp("generating"), MODEL)
     yield s
     s.stop()
 

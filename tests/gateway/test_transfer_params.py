@@ -12,14 +12,13 @@ object is a 400 at the gateway, where vLLM took it and failed with a 500."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.gateway.conftest import Server, start_gateway, start_stub, write_api_keys
+from tests.gateway.conftest import OpenAndKeyed, Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,21 +39,7 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 TENANT = {"/v1/messages": "sk-shared"}  # the Messages API is a shared-namespace tenant's
 
 
-class Servers:
-    def __init__(self, root: Path) -> None:
-        self.stub = start_stub(root, "stub", "--model", MODEL)
-        keys = str(write_api_keys(root / "keys.json"))
-        self.open = start_gateway(root, "open", [self.stub.url])
-        self.keyed = start_gateway(root, "keyed", [self.stub.url], "--api-keys", keys)
-
-    def stop(self) -> None:
-        for server in (self.keyed, self.open, self.stub):
-            server.stop()
-
-    def received(self, path: str) -> list[dict[str, Any]]:
-        requests = httpx.get(self.stub.url + "/stub/requests").json()
-        return [r for r in requests if r.get("path") == path]
-
+class Servers(OpenAndKeyed):
     def forward(self, gateway: Server, path: str, body: dict[str, Any], key: str | None) -> Any:
         """The body the engine got for ``body`` sent through ``gateway`` with ``key``."""
         before = len(self.received(path))
@@ -69,7 +54,7 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    s = Servers(tmp_path_factory.mktemp("transfer"))
+    s = Servers(tmp_path_factory.mktemp("transfer"), MODEL)
     yield s
     s.stop()
 
