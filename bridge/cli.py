@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the template variables the engine and the gateways were started with "
         "(vLLM's --default-chat-template-kwargs), for the start-up parity check",
     )
+    add_env_flag(
+        p,
+        "tokenizer-mode",
+        default="auto",
+        help="the engine's --tokenizer-mode (vLLM's: auto, hf, mistral), for the start-up "
+        "parity check",
+    )
     p.add_argument(
         "--no-tokenizer-check", action="store_true", help="skip the start-up parity check"
     )
@@ -123,6 +130,10 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
             from prefixgate.chat_input import template_defaults
 
             defaults = template_defaults(args.default_chat_template_kwargs)
+        if args.tokenizer_mode != "auto":
+            from prefixgate.mistral_tokenizer import check_mode
+
+            check_mode(args.tokenizer_mode)
         if args.data_parallel_rank:  # the rank's own endpoints, offset as the engine does
             for endpoint in (args.kv_events, args.replay):
                 if endpoint is not None:
@@ -151,6 +162,7 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         tokenizer=args.tokenizer,
         chat_template=template,
         template_defaults=defaults,
+        tokenizer_mode=args.tokenizer_mode,
         check_tokenizer=not args.no_tokenizer_check,
         heartbeat_s=args.heartbeat_s,
     )

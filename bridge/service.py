@@ -70,6 +70,7 @@ class BridgeConfig:
     chat_template: str | None = None  # jinja source (--chat-template), for the parity check
     # the engine's --default-chat-template-kwargs, for the parity check
     template_defaults: dict[str, Any] | None = None
+    tokenizer_mode: str = "auto"  # the engine's --tokenizer-mode, for the parity check
     check_tokenizer: bool = True
     heartbeat_s: float = 1.0
     info_ttl_s: float = 5.0
@@ -402,7 +403,11 @@ class Bridge:
                 sources = list(dict.fromkeys([self.config.model, self.engine_root or ""]))
             template = self.config.chat_template
             tokenizer, source = await asyncio.to_thread(
-                load_first, [s for s in sources if s], template, self.config.template_defaults
+                load_first,
+                [s for s in sources if s],
+                template,
+                self.config.template_defaults,
+                self.config.tokenizer_mode,
             )
             await self._wait_for_model()
             c = self.config

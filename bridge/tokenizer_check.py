@@ -6,13 +6,14 @@ difference (another template version, a tokenizer revision, a BOS added twice) m
 every key differ, and routing silently falls back to optimistic guesses.
 
 Each case is a chat rendered by the gateway's tokenizer (the very object the gateway
-uses: ``SegmentCache`` over ``ChatTokenizer``) and by the engine's ``POST /tokenize``
+uses: ``gateway.routing.default_loader``'s) and by the engine's ``POST /tokenize``
 (vLLM, SGLang: ``{"model", "messages", "add_generation_prompt": true}``), compared id for
 id. Prints a pass/fail line per case and exits 1 on any failure. With ``--chat-template
 FILE`` the gateway's side renders with that template, as a gateway started with the same
 flag does; the engine's side is what its own start-up template makes of a plain request.
 ``--default-chat-template-kwargs JSON`` likewise gives the gateway's side the variables
-the engine was started with.
+the engine was started with, and ``--tokenizer-mode`` the engine's choice between a
+model's Hugging Face and Mistral tokenizers.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from typing import Any, NamedTuple
 import httpx
 
 from bridge.engine_auth import add_engine_access_flags, engine_api_key, engine_headers
-from prefixgate.chat_input import template_defaults
+from gateway.routing import Tokenizer, default_loader
+from prefixgate.chat_input import ChatInput, template_defaults
 from prefixgate.envflags import add_env_flag
-from prefixgate.segments import SegmentCache
+from prefixgate.mistral_tokenizer import TOKENIZER_MODES
 from prefixgate.tls import client_context, client_tls_from_args
-from prefixgate.tokenizer import ChatTokenizer, read_chat_template_file
+from prefixgate.tokenizer import read_chat_template_file
 
 Chat = list[dict[str, str]]
 
@@ -74,13 +76,14 @@ def load_first(
     sources: list[str],
     chat_template: str | None = None,
     template_defaults: dict[str, Any] | None = None,
-) -> tuple[SegmentCache, str]:
+    mode: str = "auto",
+) -> tuple[Tokenizer, str]:
     """``load_tokenizer`` of the first of ``sources`` that loads, and that source, as the
     gateway tries a model's name and then its engine's ``root``; the last failure when
     none does."""
     for i, source in enumerate(sources):
         try:
-            return load_tokenizer(source, chat_template, template_defaults), source
+            return load_tokenizer(source, chat_template, template_defaults, mode), source
         except Exception:
             if i == len(sources) - 1:
                 raise
@@ -91,15 +94,16 @@ def load_tokenizer(
     name_or_dir: str,
     chat_template: str | None = None,
     template_defaults: dict[str, Any] | None = None,
-) -> SegmentCache:
+    mode: str = "auto",
+) -> Tokenizer:
     """The gateway's tokenizer for the model; ``chat_template``: the jinja source of a
-    ``--chat-template`` that replaces the model's own, and ``template_defaults`` a
-    ``--default-chat-template-kwargs``, as the gateway applies them."""
-    tokenizer = ChatTokenizer.for_model(name_or_dir)
-    if chat_template is not None:
-        tokenizer.set_chat_template(chat_template)
-    tokenizer.template_defaults = dict(template_defaults or {})
-    return SegmentCache(tokenizer)
+    ``--chat-template`` that replaces the model's own, ``template_defaults`` a
+    ``--default-chat-template-kwargs`` and ``mode`` a ``--tokenizer-mode``, as the
+    gateway applies them."""
+    tokenizer = default_loader(name_or_dir, chat_template, mode)
+    if hasattr(tokenizer, "template_defaults"):
+        tokenizer.template_defaults = dict(template_defaults or {})
+    return tokenizer
 
 
 async def engine_model_name(client: httpx.AsyncClient, engine_url: str) -> str:
@@ -147,7 +151,7 @@ def first_difference(ours: list[int], theirs: list[int]) -> str:
 
 async def check(
     engine_url: str,
-    tokenizer: SegmentCache,
+    tokenizer: Tokenizer,
     model: str | None = None,
     cases: dict[str, Chat] = CASES,
     timeout_s: float = 30.0,
@@ -165,7 +169,7 @@ async def check(
     ) as client:
         served = model or await engine_model_name(client, engine_url)
         for name, chat in cases.items():
-            ours = tokenizer.encode_chat(chat, add_generation_prompt=True)
+            ours = tokenizer.encode_input(ChatInput.plain(chat, add_generation_prompt=True))
             try:
                 theirs = await engine_tokens(client, engine_url, served, chat)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -223,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the template variables the engine was started with (its "
         "--default-chat-template-kwargs), as given to the gateway",
     )
+    add_env_flag(
+        p,
+        "tokenizer-mode",
+        default="auto",
+        choices=TOKENIZER_MODES,
+        help="the engine's --tokenizer-mode (vLLM's), as given to the gateway",
+    )
     return p
 
 
@@ -238,12 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         raw_defaults = args.default_chat_template_kwargs
         defaults = template_defaults(raw_defaults) if raw_defaults is not None else None
         if args.model:
-            tokenizer = load_tokenizer(args.model, template, defaults)
+            tokenizer = load_tokenizer(args.model, template, defaults, args.tokenizer_mode)
         else:
             card = asyncio.run(engine_card(args.engine_url.rstrip("/"), key, tls))
             root = card.get("root")
             sources = [str(card["id"]), *([root] if isinstance(root, str) and root else [])]
-            tokenizer, source = load_first(list(dict.fromkeys(sources)), template, defaults)
+            tokenizer, source = load_first(
+                list(dict.fromkeys(sources)), template, defaults, args.tokenizer_mode
+            )
             print(f"the gateway's tokenizer: {source}")
         results = asyncio.run(
             check(args.engine_url, tokenizer, args.served_model, api_key=key, tls=tls)

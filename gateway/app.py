@@ -177,6 +177,7 @@ def _key_builder(config: GatewayConfig) -> KeyBuilder:
         chat_template=read_chat_template_file(every) if every is not None else None,
         memo_bytes=config.key_memo_bytes,
         template_defaults=config.template_defaults,
+        tokenizer_modes=config.tokenizer_modes,
     )
 
 

@@ -21,6 +21,7 @@ from prefixgate.chat_input import template_defaults
 from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
+from prefixgate.mistral_tokenizer import check_mode
 from prefixgate.open_files import prepare_open_files
 from prefixgate.root_path import add_root_path_flag, root_prefix, with_root_path
 from prefixgate.tls import add_client_tls_flags, add_server_tls_flags, server_tls_options
@@ -108,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         "MODEL, as the model's vLLM replicas were given them with this flag",
         separator=None,
     )
+    add_env_list_flag(
+        p,
+        "tokenizer-mode",
+        metavar="[MODEL=]MODE",
+        help="vLLM's --tokenizer-mode the model's replicas were started with: auto (vLLM's "
+        "default: Mistral's tokenizer for models with Mistral's weights and tokenizer "
+        "files), hf or mistral; for every model or for MODEL (repeatable)",
+    )
     add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body")
     add_env_flag(p, "upstream-timeout-s", type=float, default=600.0, help="per upstream request")
@@ -194,6 +203,21 @@ def template_defaults_flags(values: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def tokenizer_mode_flags(values: list[str]) -> dict[str, str]:
+    """``--tokenizer-mode MODE`` (every model: the key "") and ``--tokenizer-mode
+    MODEL=MODE``."""
+    every, per_model = per_model_flag("tokenizer-mode", "MODE", values)
+    modes = dict(per_model) if every is None else {"": every, **per_model}
+    for model, mode in modes.items():
+        try:
+            check_mode(mode)
+        except ValueError as exc:
+            raise ValueError(
+                f"--tokenizer-mode {f'{model}=' if model else ''}{mode}: {exc}"
+            ) from exc
+    return modes
+
+
 def tokenizer_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
     """``--tokenizer SRC`` (every model) and ``--tokenizer MODEL=SRC``."""
     return per_model_flag("tokenizer", "SRC", values)
@@ -259,6 +283,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         chat_template=chat_template,
         model_chat_templates=model_chat_templates,
         template_defaults=template_defaults_flags(args.default_chat_template_kwargs),
+        tokenizer_modes=tokenizer_mode_flags(args.tokenizer_mode),
         block_size=args.block_size,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         upstream_timeout_s=args.upstream_timeout_s,

@@ -45,6 +45,8 @@ class GatewayConfig:
     model_chat_templates: dict[str, Path] = field(default_factory=dict)
     # --default-chat-template-kwargs: model ("" for every model) -> template variables
     template_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # --tokenizer-mode: model ("" for every model) -> vLLM's mode (auto, hf, mistral)
+    tokenizer_modes: dict[str, str] = field(default_factory=dict)
     block_size: int = DEFAULT_BLOCK_SIZE
     max_body_bytes: int = 16 * 1024 * 1024
     # Longest wait for the upstream's next byte (first byte included); then it counts as

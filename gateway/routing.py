@@ -84,13 +84,27 @@ class PromptKeys(NamedTuple):
     tokenized: bool  # False: keys over the prompt's bytes (no tokenizer for the model)
 
 
-def default_loader(name_or_path: str, chat_template: str | None = None) -> Tokenizer:
+def default_loader(
+    name_or_path: str, chat_template: str | None = None, mode: str = "auto"
+) -> Tokenizer:
     """The model's chat tokenizer (with ``chat_template`` instead of its own when given),
     with chats encoded from cached pieces where that is provably the same
-    (prefixgate/segments.py)."""
+    (prefixgate/segments.py); Mistral's, as vLLM's tokenizer ``mode`` chooses it for the
+    model (prefixgate/mistral_tokenizer.py), which renders no template."""
+    from prefixgate.mistral_tokenizer import load_mistral
     from prefixgate.segments import SegmentCache
     from prefixgate.tokenizer import ChatTokenizer
 
+    mistral = load_mistral(name_or_path, mode)
+    if mistral is not None:
+        log.info("tokenizer %r: Mistral's (mistral_common), as vLLM's", name_or_path)
+        if chat_template is not None:
+            log.warning(
+                "model %r: vLLM renders no --chat-template with Mistral's tokenizer; "
+                "neither does the gateway",
+                name_or_path,
+            )
+        return mistral
     tokenizer = ChatTokenizer.for_model(name_or_path)
     if chat_template is not None:
         tokenizer.set_chat_template(chat_template)
@@ -122,6 +136,7 @@ class KeyBuilder:
         "_model_tokenizers",
         "_override",
         "_template_defaults",
+        "_tokenizer_modes",
         "_tokenizers",
         "_tried",
         "memo",
@@ -133,12 +148,13 @@ class KeyBuilder:
         tokenizer: str | None = None,
         *,
         inline_chars: int = 8192,
-        loader: Callable[[str, str | None], Tokenizer] = default_loader,
+        loader: Callable[[str, str | None, str], Tokenizer] = default_loader,
         chat_templates: Mapping[str, str] | None = None,
         chat_template: str | None = None,
         memo_bytes: int = 64 << 20,
         tokenizers: Mapping[str, str] | None = None,
         template_defaults: Mapping[str, dict[str, Any]] | None = None,
+        tokenizer_modes: Mapping[str, str] | None = None,
     ) -> None:
         self._override = tokenizer
         self._model_tokenizers = dict(tokenizers or {})  # model -> source (--tokenizer M=SRC)
@@ -152,6 +168,8 @@ class KeyBuilder:
         # model ("" for every model) -> --default-chat-template-kwargs: the variables its
         # replicas give a template where a request sets none (prefixgate/chat_input.py)
         self._template_defaults = dict(template_defaults or {})
+        # model ("" for every model) -> vLLM's --tokenizer-mode its replicas were given
+        self._tokenizer_modes = dict(tokenizer_modes or {})
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._tried: dict[str, set[str]] = {}  # model -> sources that failed to load
         self._loading: dict[str, asyncio.Task[None]] = {}
@@ -188,7 +206,9 @@ class KeyBuilder:
             if source in tried:
                 continue
             try:
-                tokenizer = self._loader(source, self.chat_template_for(model))
+                tokenizer = self._loader(
+                    source, self.chat_template_for(model), self.tokenizer_mode_for(model)
+                )
                 defaults = self._template_defaults.get(model, self._template_defaults.get(""))
                 if defaults is not None and hasattr(tokenizer, "template_defaults"):
                     tokenizer.template_defaults = dict(defaults)
@@ -224,6 +244,9 @@ class KeyBuilder:
 
     def chat_template_for(self, model: str) -> str | None:
         return self._chat_templates.get(model, self._chat_template)
+
+    def tokenizer_mode_for(self, model: str) -> str:
+        return self._tokenizer_modes.get(model, self._tokenizer_modes.get("", "auto"))
 
     async def preload(self, model: str, wait_s: float | None = None) -> None:
         """Load ``model``'s tokenizer (in a thread) unless loaded or nothing new to try;
@@ -354,9 +377,10 @@ def _text_encoder(tokenizer: Tokenizer, special: bool) -> Callable[[str], list[i
     """How the engine encodes a prompt's text (vLLM's ``add_special_tokens``): with the
     tokenizer's special tokens (a BOS), or as it stands, for text that holds them already.
     A tokenizer that cannot leave them out (no ``encode_rendered``) encodes as usual."""
-    if special or not isinstance(tokenizer, PieceTokenizer):
+    plain: Callable[[str], list[int]] | None = getattr(tokenizer, "encode_rendered", None)
+    if special or plain is None:
         return tokenizer.encode
-    return tokenizer.encode_rendered
+    return plain
 
 
 def _byte_keys(space: KeySpace, memo: KeyMemo | None, ids: Sequence[int]) -> list[bytes]:

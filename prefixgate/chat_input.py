@@ -56,6 +56,15 @@ class ChatInput:
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_effort: str | None = None
+    # The messages as the client sent them, for a tokenizer that encodes the request
+    # itself rather than rendering a template (prefixgate/mistral_tokenizer.py)
+    sent: list[ChatMessage] | None = None
+
+    def sent_messages(self) -> list[dict[str, Any]]:
+        """The messages as sent, as JSON (``messages`` for a chat built without them)."""
+        if self.sent is None:
+            return [dict(m) for m in self.messages]
+        return [m.model_dump(mode="json", exclude_none=True) for m in self.sent]
 
     @classmethod
     def plain(cls, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> ChatInput:
@@ -130,6 +139,7 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
         continue_final_message=req.continue_final_message,
         template_kwargs=kwargs,
         reasoning_effort=req.reasoning_effort,
+        sent=req.messages,
     )
 
 

@@ -74,6 +74,8 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
         cmd += ["--chat-template", str(args.chat_template)]
     if args.default_chat_template_kwargs is not None:
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
+    if args.tokenizer_mode is not None:
+        cmd += ["--tokenizer-mode", args.tokenizer_mode]
     if args.tool_call_parser is not None:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     for extra in args.engine_arg or ():
@@ -102,4 +104,6 @@ def bridge_command(
         cmd += ["--chat-template", str(args.chat_template)]
     if args.default_chat_template_kwargs is not None:
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
+    if args.tokenizer_mode is not None:
+        cmd += ["--tokenizer-mode", args.tokenizer_mode]
     return cmd

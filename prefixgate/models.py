@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from prefixgate.gguf_tokenizer import write_tokenizer_files
 
@@ -52,6 +53,7 @@ HUB_TOKENIZER_FILES = (*TOKENIZER_FILES, "generation_config.json")
 HUB_MODEL_FILES = (*HUB_TOKENIZER_FILES, "*.json", "*.safetensors")
 # How long a tokenizer's fetch from the Hub may take (PREFIXGATE_HUB_TIMEOUT_S).
 HUB_TIMEOUT_S = 30.0
+_T = TypeVar("_T")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
@@ -170,21 +172,57 @@ def hub_timeout_s() -> float:
 def hub_tokenizer_dir(repo_id: str, timeout_s: float | None = None) -> Path:
     """The tokenizer files of a Hub model, fetched once into the Hugging Face cache (only
     those files: a few MB, not the weights), given up after ``timeout_s`` (default
-    ``hub_timeout_s()``): ``huggingface_hub`` sets no timeout on its calls, so a proxy
-    or firewall that takes a connection and never answers held the fetch, and a gateway
-    waiting for it, for ever. A fetch given up on goes on in its thread and fills the
-    cache if it ever ends."""
-    found: list[Path] = []
+    ``hub_timeout_s()``; see ``within_hub_timeout``)."""
+    path = within_hub_timeout(
+        repo_id, lambda: hub_snapshot(repo_id, HUB_TOKENIZER_FILES, "tokenizer"), timeout_s
+    )
+    if not (path / "tokenizer.json").is_file():
+        raise ModelNotFoundError(f"Hugging Face model {repo_id!r} has no tokenizer.json")
+    return path
+
+
+def hub_mistral_files(repo_id: str, timeout_s: float | None = None) -> list[str]:
+    """The names of a Hub model's files, as vLLM lists them to choose its tokenizer
+    (prefixgate/mistral_tokenizer.py); none when the Hub cannot be asked (offline), as
+    vLLM then finds none either."""
+
+    def listing() -> list[str]:
+        from huggingface_hub import HfApi
+
+        try:
+            return list(HfApi().list_repo_files(repo_id))
+        except Exception:  # offline, no such repo, gated, network: vLLM's choice too
+            return []
+
+    return within_hub_timeout(repo_id, listing, timeout_s)
+
+
+def hub_mistral_dir(
+    repo_id: str, patterns: tuple[str, ...], timeout_s: float | None = None
+) -> Path:
+    """A Hub model's Mistral tokenizer files (``patterns``), fetched once."""
+    return within_hub_timeout(
+        repo_id, lambda: hub_snapshot(repo_id, patterns, "Mistral tokenizer"), timeout_s
+    )
+
+
+def within_hub_timeout(repo_id: str, call: Callable[[], _T], timeout_s: float | None) -> _T:
+    """``call()`` (a Hub request), given up after ``timeout_s`` (default
+    ``hub_timeout_s()``): ``huggingface_hub`` sets no timeout on its calls, so a proxy or
+    firewall that takes a connection and never answers held the fetch, and a gateway
+    waiting for it, for ever. A call given up on goes on in its thread and fills the cache
+    if it ever ends."""
+    found: list[_T] = []
     failed: list[BaseException] = []
 
-    def fetch() -> None:
+    def run() -> None:
         try:
-            found.append(hub_snapshot(repo_id, HUB_TOKENIZER_FILES, "tokenizer"))
+            found.append(call())
         except BaseException as exc:  # handed to the caller
             failed.append(exc)
 
     limit = hub_timeout_s() if timeout_s is None else timeout_s
-    thread = threading.Thread(target=fetch, name=f"hub-fetch {repo_id}", daemon=True)
+    thread = threading.Thread(target=run, name=f"hub-fetch {repo_id}", daemon=True)
     thread.start()
     thread.join(limit)
     if failed:
@@ -194,10 +232,7 @@ def hub_tokenizer_dir(repo_id: str, timeout_s: float | None = None) -> Path:
             f"the tokenizer of Hugging Face model {repo_id!r} could not be fetched: no "
             f"answer from the Hub within {limit:g} s (PREFIXGATE_HUB_TIMEOUT_S)"
         )
-    path = found[0]
-    if not (path / "tokenizer.json").is_file():
-        raise ModelNotFoundError(f"Hugging Face model {repo_id!r} has no tokenizer.json")
-    return path
+    return found[0]
 
 
 def hub_model_dir(repo_id: str) -> Path:

@@ -107,6 +107,8 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--chat-template", str(args.chat_template)]
     if args.default_chat_template_kwargs is not None:  # so do these
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
+    if args.tokenizer_mode is not None:  # and so does the engines' tokenizer
+        cmd += ["--tokenizer-mode", args.tokenizer_mode]
     return cmd
 
 
@@ -343,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
         "false}', for the replicas (or engines) and the gateway alike",
     )
     add(
+        "--tokenizer-mode",
+        choices=["auto", "hf", "mistral"],  # prefixgate/mistral_tokenizer.py TOKENIZER_MODES
+        help="with --engine vllm: vLLM's choice between a model's Hugging Face tokenizer and "
+        "Mistral's (auto, vLLM's default: Mistral's where the model has Mistral's weights "
+        "and tokenizer files), for the engines, their bridges and the gateway alike",
+    )
+    add(
         "--tool-call-parser",
         choices=["hermes"],
         help="the replicas parse tool calls from the model's text (tool_choice auto)",
@@ -383,6 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--host-cache-mb is the prefixgate engine's host tier; give the engine's own "
             "offloading flags with --engine-arg"
         )
+    if args.tokenizer_mode is not None and args.engine != "vllm":
+        parser.error("--tokenizer-mode is vLLM's flag: give it with --engine vllm")
     if args.api_keys is not None and not args.api_keys.is_file():
         parser.error(f"--api-keys {args.api_keys}: no such file")
     if args.chat_template is not None and not args.chat_template.is_file():

@@ -142,7 +142,7 @@ class Replica:
             w.close()
 
 
-def no_tokenizer(name: str, chat_template: str | None = None) -> Tokenizer:
+def no_tokenizer(name: str, chat_template: str | None = None, mode: str = "auto") -> Tokenizer:
     raise FileNotFoundError(f"{name}: the tests key prompts by their bytes")
 
 

@@ -50,7 +50,7 @@ def test_a_shared_prefix_is_hashed_once() -> None:
 
 
 def test_prompt_keys_with_and_without_the_memo_agree() -> None:
-    builder = KeyBuilder(loader=lambda name, template: None)  # type: ignore[arg-type,return-value]
+    builder = KeyBuilder(loader=lambda name, template, mode: None)  # type: ignore[arg-type,return-value]
     ids = list(range(16 * 8 + 5))
     for prompt in (ids, ids[:40], [*ids, 9, 9, 9]):
         request = CompletionRequest(model="m", prompt=prompt)

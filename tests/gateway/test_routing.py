@@ -42,7 +42,7 @@ def test_prompt_keys_use_the_tokenizer_salt_and_token_ids() -> None:
 def test_key_builder_remembers_a_missing_tokenizer() -> None:
     calls = []
 
-    def loader(name: str, chat_template: str | None) -> FakeTokenizer:
+    def loader(name: str, chat_template: str | None, mode: str) -> FakeTokenizer:
         calls.append(name)
         raise FileNotFoundError(name)
 
@@ -58,7 +58,7 @@ def test_a_name_no_replica_serves_loads_nothing_and_is_not_remembered() -> None:
     client-chosen path on the gateway's disk) and keep one more entry for ever."""
     calls = []
 
-    def loader(name: str, chat_template: str | None) -> FakeTokenizer:
+    def loader(name: str, chat_template: str | None, mode: str) -> FakeTokenizer:
         calls.append(name)
         return FakeTokenizer()
 
@@ -118,7 +118,7 @@ def test_where_a_chats_keys_are_computed_and_that_they_are_the_same() -> None:
 
     tokenizer = Recording(inner)
     assert tokenizer.enabled
-    builder = KeyBuilder(loader=lambda name, chat_template: tokenizer, inline_chars=2000)
+    builder = KeyBuilder(loader=lambda name, chat_template, mode: tokenizer, inline_chars=2000)
     tool = {"type": "function", "function": {"name": "t", "description": "d " * 1000}}
     huge = {"type": "function", "function": {"name": "h", "description": "x " * 8000}}
 

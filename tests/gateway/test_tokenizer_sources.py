@@ -153,9 +153,9 @@ def test_a_request_waits_for_a_slow_first_load_only_so_long(
     release = threading.Event()
     loads = Loads("slow")
 
-    def slow(source: str, chat_template: str | None) -> Any:
+    def slow(source: str, chat_template: str | None, mode: str) -> Any:
         release.wait(30)
-        return loads(source, chat_template)
+        return loads(source, chat_template, mode)
 
     builder = KeyBuilder(loader=slow)
     request = CompletionRequest(model="slow", prompt="a prompt of some words " * 8)
@@ -181,7 +181,7 @@ class Loads:
         self.good = set(good)
         self.calls: list[str] = []
 
-    def __call__(self, source: str, chat_template: str | None) -> Any:
+    def __call__(self, source: str, chat_template: str | None, mode: str = "auto") -> Any:
         self.calls.append(source)
         if source not in self.good:
             raise FileNotFoundError(source)

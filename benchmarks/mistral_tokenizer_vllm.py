@@ -1,0 +1,137 @@
+"""A model in Mistral's own format, behind a gateway from each tree: do the gateway's keys
+find the blocks vLLM cached, when vLLM encodes its chats with Mistral's tokenizer?
+
+    # a small random model in Mistral's format (config.json, consolidated.safetensors and
+    # mistral_common's tokenizer.model.v7, as Mistral's repositories hold them)
+    .venv/bin/python benchmarks/mistral_tokenizer_vllm.py --make-model /tmp/mistral-model
+    # two engines on it (vLLM picks Mistral's tokenizer by itself: --tokenizer-mode auto),
+    # --model /tmp/mistral-model --served-model-name mistral-model, --kv-events-config ...
+    .venv/bin/python benchmarks/mistral_tokenizer_vllm.py \
+        --engine http://127.0.0.1:8100,5600,5610 --engine http://127.0.0.1:8101,5601,5611 \
+        --tree before=DIR --tree after=.
+
+vLLM 0.32 encodes a chat for such a model with ``mistral_common``, never a template. The
+gateway takes the model's tokenizer from the engines' model cards (their ``root``).
+Conversations as in benchmarks/special_tokens_vllm.py: plain chats, and an agent's (two
+tools in every request, each earlier turn a tool call with an OpenAI-style id and its
+result); ``--chats`` conversations of ``--turns`` turns, ``--wait-s`` apart. Prints, over
+the turns after the first: those the engine holding the conversation served, the cached
+tokens the routes predicted, the prompt tokens the engines read from their cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from special_tokens_vllm import chat_turns, run_trees
+
+WAYS = ("chat", "agent with tools")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+    for name, description in (("search_notes", "Search the notes."), ("add_note", "Add a note."))
+]
+TOKENIZER = "mistral_instruct_tokenizer_241114.model.v7"  # in mistral_common's package data
+
+
+def agent_turns(turns: list[str]) -> list[dict[str, Any]]:
+    """An agent's chat: a system prompt, then per turn the user's text and, for each turn
+    but the latest, the assistant's tool call and the tool's result."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You keep notes."}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(turns) - 1:
+            call_id = f"call_{i:02d}a1b2c3d4e5f6"  # OpenAI's ids are longer than Mistral's 9
+            call = {"name": "add_note", "arguments": json.dumps({"q": f"part {i + 1}"})}
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": call_id, "type": "function", "function": call}],
+                }
+            )
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": "saved"})
+    return messages
+
+
+def request(way: str, model: str, turns: list[str]) -> tuple[str, dict[str, Any]]:
+    if way == "chat":
+        body: dict[str, Any] = {"model": model, "messages": chat_turns(turns), "max_tokens": 1}
+    else:
+        body = {"model": model, "messages": agent_turns(turns), "tools": TOOLS, "max_tokens": 1}
+    return "/v1/chat/completions", body
+
+
+def make_model(folder: Path) -> None:
+    """A random 2-layer Mistral in Mistral's format: ``config.json`` (vLLM reads it),
+    ``consolidated.safetensors`` (Mistral's weight names) and ``tokenizer.model.v7``; no
+    ``tokenizer.json``, as in Mistral's recent repositories."""
+    import mistral_common
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, layers, heads, kv_heads, head_dim, ffn, vocab = 256, 2, 4, 2, 64, 512, 32768
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    weights = {"tok_embeddings.weight": rand(vocab, hidden), "output.weight": rand(vocab, hidden)}
+    weights["norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    for i in range(layers):
+        p = f"layers.{i}."
+        weights[p + "attention.wq.weight"] = rand(heads * head_dim, hidden)
+        weights[p + "attention.wk.weight"] = rand(kv_heads * head_dim, hidden)
+        weights[p + "attention.wv.weight"] = rand(kv_heads * head_dim, hidden)
+        weights[p + "attention.wo.weight"] = rand(hidden, heads * head_dim)
+        weights[p + "feed_forward.w1.weight"] = rand(ffn, hidden)
+        weights[p + "feed_forward.w2.weight"] = rand(hidden, ffn)
+        weights[p + "feed_forward.w3.weight"] = rand(ffn, hidden)
+        weights[p + "attention_norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        weights[p + "ffn_norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    save_file(weights, str(folder / "consolidated.safetensors"))
+    data = Path(mistral_common.__file__).parent / "data"
+    shutil.copy(data / TOKENIZER, folder / "tokenizer.model.v7")
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--make-model"]:
+        make_model(Path(sys.argv[2]))
+        return
+    run_trees(__doc__, "mistral-model", WAYS, request)
+
+
+if __name__ == "__main__":
+    main()
