@@ -6,7 +6,7 @@ difference (another template version, a tokenizer revision, a BOS added twice) m
 every key differ, and routing silently falls back to optimistic guesses.
 
 Each case is a chat rendered by the gateway's tokenizer (the very object the gateway
-uses: ``gateway.routing.default_loader``'s) and by the engine's ``POST /tokenize``
+uses: prefixgate/model_tokenizer.py's) and by the engine's ``POST /tokenize``
 (vLLM, SGLang: ``{"model", "messages", "add_generation_prompt": true}``), compared id for
 id. Prints a pass/fail line per case and exits 1 on any failure. With ``--chat-template
 FILE`` the gateway's side renders with that template, as a gateway started with the same
@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 import httpx
 
 from bridge.engine_auth import add_engine_access_flags, engine_api_key, engine_headers
-from gateway.routing import Tokenizer, default_loader
 from prefixgate.chat_input import ChatInput, template_defaults
 from prefixgate.envflags import add_env_flag
 from prefixgate.mistral_tokenizer import TOKENIZER_MODES
+from prefixgate.model_tokenizer import ModelTokenizer, load_model_tokenizer
 from prefixgate.tls import client_context, client_tls_from_args
 from prefixgate.tokenizer import read_chat_template_file
 
@@ -77,7 +77,7 @@ def load_first(
     chat_template: str | None = None,
     template_defaults: dict[str, Any] | None = None,
     mode: str = "auto",
-) -> tuple[Tokenizer, str]:
+) -> tuple[ModelTokenizer, str]:
     """``load_tokenizer`` of the first of ``sources`` that loads, and that source, as the
     gateway tries a model's name and then its engine's ``root``; the last failure when
     none does."""
@@ -95,14 +95,13 @@ def load_tokenizer(
     chat_template: str | None = None,
     template_defaults: dict[str, Any] | None = None,
     mode: str = "auto",
-) -> Tokenizer:
+) -> ModelTokenizer:
     """The gateway's tokenizer for the model; ``chat_template``: the jinja source of a
     ``--chat-template`` that replaces the model's own, ``template_defaults`` a
     ``--default-chat-template-kwargs`` and ``mode`` a ``--tokenizer-mode``, as the
     gateway applies them."""
-    tokenizer = default_loader(name_or_dir, chat_template, mode)
-    if hasattr(tokenizer, "template_defaults"):
-        tokenizer.template_defaults = dict(template_defaults or {})
+    tokenizer = load_model_tokenizer(name_or_dir, chat_template, mode)
+    tokenizer.template_defaults = dict(template_defaults or {})
     return tokenizer
 
 
@@ -151,7 +150,7 @@ def first_difference(ours: list[int], theirs: list[int]) -> str:
 
 async def check(
     engine_url: str,
-    tokenizer: Tokenizer,
+    tokenizer: ModelTokenizer,
     model: str | None = None,
     cases: dict[str, Chat] = CASES,
     timeout_s: float = 30.0,

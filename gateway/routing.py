@@ -87,31 +87,10 @@ class PromptKeys(NamedTuple):
 def default_loader(
     name_or_path: str, chat_template: str | None = None, mode: str = "auto"
 ) -> Tokenizer:
-    """The model's chat tokenizer (with ``chat_template`` instead of its own when given),
-    with chats encoded from cached pieces where that is provably the same
-    (prefixgate/segments.py); Mistral's, as vLLM's tokenizer ``mode`` chooses it for the
-    model (prefixgate/mistral_tokenizer.py), which renders no template."""
-    from prefixgate.mistral_tokenizer import load_mistral
-    from prefixgate.segments import SegmentCache
-    from prefixgate.tokenizer import ChatTokenizer
+    """The model's tokenizer as its engines encode (prefixgate/model_tokenizer.py)."""
+    from prefixgate.model_tokenizer import load_model_tokenizer
 
-    mistral = load_mistral(name_or_path, mode)
-    if mistral is not None:
-        log.info("tokenizer %r: Mistral's (mistral_common), as vLLM's", name_or_path)
-        if chat_template is not None:
-            log.warning(
-                "model %r: vLLM renders no --chat-template with Mistral's tokenizer; "
-                "neither does the gateway",
-                name_or_path,
-            )
-        return mistral
-    tokenizer = ChatTokenizer.for_model(name_or_path)
-    if chat_template is not None:
-        tokenizer.set_chat_template(chat_template)
-    cached = SegmentCache(tokenizer)
-    if not cached.enabled:
-        log.info("tokenizer %r: chats are tokenized whole (no piece cache)", name_or_path)
-    return cached
+    return load_model_tokenizer(name_or_path, chat_template, mode)
 
 
 class KeyBuilder:
