@@ -219,3 +219,36 @@ def test_up_passes_the_mode_to_engines_bridges_and_gateway() -> None:
     assert tokenizer_mode_flags(gateway.tokenizer_mode) == {"": "mistral"}
     with pytest.raises(SystemExit):  # the built-in engine renders with templates only
         up.parse_args(["--tokenizer-mode", "mistral"])
+
+
+@pytest.fixture
+def mistral_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process's Hugging Face cache, offline, holding ``mistralai/tiny``'s Tekken
+    tokenizer (its only file here: no tokenizer.json, as in Mistral's repositories)."""
+    from huggingface_hub import constants
+
+    from tests.gateway.test_tokenizer_sources import fill_hub_cache
+
+    cache = tmp_path / "hub"
+    fill_hub_cache(cache, "mistralai/tiny", model_folder(tmp_path, "tekken"), ["tekken.json"])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_a_hub_model_is_mistral_when_its_listing_says_so(
+    mistral_hub: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline, the Hub lists nothing, so vLLM's auto takes the Hugging Face tokenizer,
+    and so does the gateway (none here: bytes); ``mistral`` takes it from the cache; a
+    listing with Mistral's weights and tokenizer makes auto take it too."""
+    from huggingface_hub import HfApi
+
+    assert load_mistral("mistralai/tiny", "auto") is None
+    fetched = load_mistral("mistralai/tiny", "mistral")
+    assert fetched is not None and fetched.name == "mistralai/tiny"
+    listing = ["README.md", "consolidated.safetensors", "params.json", "tekken.json"]
+    monkeypatch.setattr(HfApi, "list_repo_files", lambda self, repo_id, **_: listing)
+    listed = load_mistral("mistralai/tiny", "auto")
+    assert listed is not None
+    assert listed.encode("Hello") == fetched.encode("Hello")
