@@ -9,6 +9,9 @@ find the blocks vLLM cached, when vLLM encodes its chats with Mistral's tokenize
     .venv/bin/python benchmarks/mistral_tokenizer_vllm.py \
         --engine http://127.0.0.1:8100,5600,5610 --engine http://127.0.0.1:8101,5601,5611 \
         --tree before=DIR --tree after=.
+    # one engine: an agent's request on each API, asked twice 35 s apart
+    .venv/bin/python benchmarks/mistral_tokenizer_vllm.py --apis TREE \
+        http://127.0.0.1:8100,5600,5610
 
 vLLM 0.32 encodes a chat for such a model with ``mistral_common``, never a template. The
 gateway takes the model's tokenizer from the engines' model cards (their ``root``).
@@ -22,12 +25,17 @@ tokens the routes predicted, the prompt tokens the engines read from their cache
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hub_models_vllm import Stack, documents, reset
+from reasoning_vllm import KEY_TOKENS, ask
 from special_tokens_vllm import chat_turns, run_trees
 
 WAYS = ("chat", "agent with tools")
@@ -71,6 +79,88 @@ def request(way: str, model: str, turns: list[str]) -> tuple[str, dict[str, Any]
     else:
         body = {"model": model, "messages": agent_turns(turns), "tools": TOOLS, "max_tokens": 1}
     return "/v1/chat/completions", body
+
+
+def api_requests(model: str, doc: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """An agent's step on each API (a tool call and its result in the history), and a
+    plain Responses request. The Responses call id has Mistral's nine characters: vLLM's
+    Responses API hands longer ones to mistral_common uncut, which refuses them (400)."""
+    fn = TOOLS[0]["function"]
+    call = {"name": fn["name"], "arguments": json.dumps({"q": "x"})}
+    long_id = "call_0123456789abcdef"
+    chat = [
+        {"role": "system", "content": doc},
+        {"role": "user", "content": "Note it."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": long_id, "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": long_id, "content": "saved"},
+        {"role": "user", "content": "Done?"},
+    ]
+    responses = [
+        {"role": "user", "content": "Note it."},
+        {"type": "function_call", "call_id": "abc123xyz", **call},
+        {"type": "function_call_output", "call_id": "abc123xyz", "output": "saved"},
+        {"role": "user", "content": "Done?"},
+    ]
+    use = {"type": "tool_use", "id": "toolu_01ABCDEFGHIJK", "name": fn["name"], "input": {"q": "x"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_01ABCDEFGHIJK", "content": "saved"}
+    messages = [
+        {"role": "user", "content": "Note it."},
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [result, {"type": "text", "text": "Done?"}]},
+    ]
+    anthropic_tool = {
+        "name": fn["name"],
+        "description": fn["description"],
+        "input_schema": fn["parameters"],
+    }
+    base = {"model": model, "store": False, "instructions": doc, "max_output_tokens": 1}
+    return {
+        "chat": (
+            "/v1/chat/completions",
+            {"model": model, "max_tokens": 1, "tools": TOOLS, "messages": chat},
+        ),
+        "responses": (
+            "/v1/responses",
+            {**base, "tools": [{"type": "function", **fn}], "input": responses},
+        ),
+        "responses, text": ("/v1/responses", {**base, "input": "Summarise."}),
+        "messages": (
+            "/v1/messages",
+            {
+                "model": model,
+                "max_tokens": 1,
+                "system": doc,
+                "tools": [anthropic_tool],
+                "messages": messages,
+            },
+        ),
+    }
+
+
+def apis(tree: str, engine: list[str], model: str = "mistral-model") -> None:
+    """Each API's request asked, then again 35 s later (past the router's record of where
+    it sent them): the cached tokens the second's route predicted, and the engine read."""
+    ways = api_requests(model, documents(1, 500, 3)[0])
+    with tempfile.TemporaryDirectory() as work:
+        stack = Stack(tree, [engine], Path(work))
+        try:
+            reset([engine], model)
+            for path, body in ways.values():
+                ask(stack.url, path, body)
+            time.sleep(35)  # the record's 30 s, not a wait for a server
+            for name, (path, body) in ways.items():
+                _, route, prompt, cached = ask(stack.url, path, body)
+                found = re.search(r"matched=(\d+)/(\d+)", route)
+                predicted = int(found.group(1)) * KEY_TOKENS if found else 0
+                print(
+                    f"{name}: prompt {prompt} tokens; predicted {predicted}, engine read {cached}"
+                )
+        finally:
+            stack.stop()
 
 
 def make_model(folder: Path) -> None:
@@ -129,6 +219,9 @@ def make_model(folder: Path) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--make-model"]:
         make_model(Path(sys.argv[2]))
+        return
+    if sys.argv[1:2] == ["--apis"]:
+        apis(sys.argv[2], sys.argv[3].split(","))
         return
     run_trees(__doc__, "mistral-model", WAYS, request)
 
