@@ -39,7 +39,7 @@ from reasoning_vllm import KEY_TOKENS, ask
 from special_tokens_vllm import chat_turns, run_trees
 
 WAYS = ("chat", "agent with tools")
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
