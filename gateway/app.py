@@ -178,6 +178,7 @@ def _key_builder(config: GatewayConfig) -> KeyBuilder:
         memo_bytes=config.key_memo_bytes,
         template_defaults=config.template_defaults,
         tokenizer_modes=config.tokenizer_modes,
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
     )
 
 

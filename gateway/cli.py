@@ -12,13 +12,14 @@ import importlib.util
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
 from gateway.sagemaker_sessions import session_seconds_from_env
 from prefixgate.chat_input import template_defaults
-from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value
+from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value, env_var
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
 from prefixgate.mistral_tokenizer import check_mode
@@ -116,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's --tokenizer-mode the model's replicas were started with: auto (vLLM's "
         "default: Mistral's tokenizer for models with Mistral's weights and tokenizer "
         "files), hf or mistral; for every model or for MODEL (repeatable)",
+    )
+    exclude = env_var("exclude-tools-when-tool-choice-none")
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        default=os.environ.get(exclude, "").lower() in ("1", "true", "yes"),
+        help="the replicas were started with vLLM's flag of this name: a chat whose "
+        f"tool_choice is none is rendered without its tools (env {exclude}=1)",
     )
     add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body")
@@ -284,6 +293,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         model_chat_templates=model_chat_templates,
         template_defaults=template_defaults_flags(args.default_chat_template_kwargs),
         tokenizer_modes=tokenizer_mode_flags(args.tokenizer_mode),
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         block_size=args.block_size,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         upstream_timeout_s=args.upstream_timeout_s,

@@ -109,6 +109,7 @@ class KeyBuilder:
     __slots__ = (
         "_chat_template",
         "_chat_templates",
+        "_exclude_tools",
         "_inline_chars",
         "_loader",
         "_loading",
@@ -134,6 +135,7 @@ class KeyBuilder:
         tokenizers: Mapping[str, str] | None = None,
         template_defaults: Mapping[str, dict[str, Any]] | None = None,
         tokenizer_modes: Mapping[str, str] | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
     ) -> None:
         self._override = tokenizer
         self._model_tokenizers = dict(tokenizers or {})  # model -> source (--tokenizer M=SRC)
@@ -149,6 +151,8 @@ class KeyBuilder:
         self._template_defaults = dict(template_defaults or {})
         # model ("" for every model) -> vLLM's --tokenizer-mode its replicas were given
         self._tokenizer_modes = dict(tokenizer_modes or {})
+        # vLLM's --exclude-tools-when-tool-choice-none, as the replicas were started
+        self._exclude_tools = exclude_tools_when_tool_choice_none
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._tried: dict[str, set[str]] = {}  # model -> sources that failed to load
         self._loading: dict[str, asyncio.Task[None]] = {}
@@ -191,6 +195,10 @@ class KeyBuilder:
                 defaults = self._template_defaults.get(model, self._template_defaults.get(""))
                 if defaults is not None and hasattr(tokenizer, "template_defaults"):
                     tokenizer.template_defaults = dict(defaults)
+                if self._exclude_tools and hasattr(
+                    tokenizer, "exclude_tools_when_tool_choice_none"
+                ):
+                    tokenizer.exclude_tools_when_tool_choice_none = True
             except Exception as exc:  # no such folder, no tokenizer files, Hub unreachable
                 tried.add(source)
                 failures.append(f"{source}: {exc}")

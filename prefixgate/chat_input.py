@@ -30,7 +30,7 @@ agree, and both agree with a vLLM engine serving the same template:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixgate.tools import tool_dicts
@@ -56,9 +56,20 @@ class ChatInput:
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     reasoning_effort: str | None = None
+    # tool_choice "none": an engine started with vLLM's --exclude-tools-when-tool-choice-none
+    # renders such a chat without its tools (``without_tools_if``)
+    tool_choice_none: bool = False
     # The messages as the client sent them, for a tokenizer that encodes the request
     # itself rather than rendering a template (prefixgate/mistral_tokenizer.py)
     sent: list[ChatMessage] | None = None
+
+    def without_tools_if(self, exclude_when_none: bool) -> ChatInput:
+        """The chat as an engine renders it that leaves out the tools of a chat whose
+        ``tool_choice`` is "none" when ``exclude_when_none`` (vLLM's
+        ``--exclude-tools-when-tool-choice-none``): then with no tools, else as it is."""
+        if exclude_when_none and self.tool_choice_none and self.tools is not None:
+            return replace(self, tools=None)
+        return self
 
     def sent_messages(self) -> list[dict[str, Any]]:
         """The messages as sent, as JSON (``messages`` for a chat built without them)."""
@@ -139,6 +150,7 @@ def chat_input(req: ChatCompletionRequest) -> ChatInput:
         continue_final_message=req.continue_final_message,
         template_kwargs=kwargs,
         reasoning_effort=req.reasoning_effort,
+        tool_choice_none=req.tool_choice == "none",
         sent=req.messages,
     )
 

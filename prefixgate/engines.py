@@ -76,6 +76,8 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     if args.tokenizer_mode is not None:
         cmd += ["--tokenizer-mode", args.tokenizer_mode]
+    if args.exclude_tools_when_tool_choice_none:
+        cmd += ["--exclude-tools-when-tool-choice-none"]
     if args.tool_call_parser is not None:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     for extra in args.engine_arg or ():

@@ -117,6 +117,7 @@ class MistralChatTokenizer:
         self.name = name
         # vLLM hands Mistral's tokenizer none of them but the reasoning effort (version 15+)
         self.template_defaults: dict[str, Any] = {}
+        self.exclude_tools_when_tool_choice_none = False  # vLLM's flag (chat_input.py)
         self.bos_token_id: int | None = self._text.bos_id
         self.eos_token_ids: list[int] = [self._text.eos_id]
         self.vocab_size: int = self._text.n_words
@@ -145,6 +146,7 @@ class MistralChatTokenizer:
         from mistral_common.exceptions import MistralCommonException
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
+        chat = chat.without_tools_if(self.exclude_tools_when_tool_choice_none)
         extra: dict[str, Any] = {}
         if self.version >= 15:
             extra["reasoning_effort"] = chat.variables(self.template_defaults).get(

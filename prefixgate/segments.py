@@ -51,6 +51,7 @@ class ChatSource(Protocol):
 
     tokenizer: HFTokenizer
     template_defaults: dict[str, Any]
+    exclude_tools_when_tool_choice_none: bool
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -146,6 +147,15 @@ class SegmentCache:
     @template_defaults.setter
     def template_defaults(self, value: dict[str, Any]) -> None:
         self.inner.template_defaults = value
+
+    @property
+    def exclude_tools_when_tool_choice_none(self) -> bool:
+        """The wrapped tokenizer's (vLLM's flag: prefixgate/chat_input.py)."""
+        return self.inner.exclude_tools_when_tool_choice_none
+
+    @exclude_tools_when_tool_choice_none.setter
+    def exclude_tools_when_tool_choice_none(self, value: bool) -> None:
+        self.inner.exclude_tools_when_tool_choice_none = value
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text)

@@ -224,6 +224,8 @@ class ChatTokenizer:
         self._tool_use: _Template | None = None
         # the server's --default-chat-template-kwargs, under each request's (chat_input.py)
         self.template_defaults: dict[str, Any] = {}
+        # the server's --exclude-tools-when-tool-choice-none (vLLM's; chat_input.py)
+        self.exclude_tools_when_tool_choice_none = False
         self.set_chat_template(chat_template)
         self.eos_token_ids = eos_token_ids
         bos = special_tokens.get("bos_token")
@@ -314,6 +316,7 @@ class ChatTokenizer:
 
     def render(self, chat: ChatInput) -> str:
         """The prompt text of a chat, rendered as transformers renders it."""
+        chat = chat.without_tools_if(self.exclude_tools_when_tool_choice_none)
         template = self._template_for(chat)
         if template is None:
             raise ChatTemplateError(

@@ -84,6 +84,8 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
         cmd += ["--chat-template", str(args.chat_template)]
     if args.default_chat_template_kwargs is not None:
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
+    if args.exclude_tools_when_tool_choice_none:
+        cmd += ["--exclude-tools-when-tool-choice-none"]
     if args.tool_call_parser is not None:
         cmd += ["--tool-call-parser", args.tool_call_parser]
     return cmd
@@ -109,6 +111,8 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     if args.tokenizer_mode is not None:  # and so does the engines' tokenizer
         cmd += ["--tokenizer-mode", args.tokenizer_mode]
+    if args.exclude_tools_when_tool_choice_none:  # and what they leave out
+        cmd += ["--exclude-tools-when-tool-choice-none"]
     return cmd
 
 
@@ -350,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --engine vllm: vLLM's choice between a model's Hugging Face tokenizer and "
         "Mistral's (auto, vLLM's default: Mistral's where the model has Mistral's weights "
         "and tokenizer files), for the engines, their bridges and the gateway alike",
+    )
+    add(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="render a chat whose tool_choice is none without its tools (vLLM's flag), for "
+        "the replicas (or engines) and the gateway alike",
     )
     add(
         "--tool-call-parser",

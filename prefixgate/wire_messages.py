@@ -91,7 +91,8 @@ def _tool_choice(choice: object, tools: bool) -> dict[str, Any]:
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """The prompt of an Anthropic Messages request as a chat completion request's
-    ``model``, ``messages`` and ``tools`` (vLLM's reading; see the module's docstring).
+    ``model``, ``messages``, ``tools`` and a ``tool_choice`` of none (vLLM's reading; see
+    the module's docstring).
     A shape it cannot read is a 400."""
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -119,6 +120,11 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise _invalid("tools", "must be a list of tools")
         chat_body["tools"] = [{"type": "function", "function": _function(t)} for t in tools]
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("type") == "none":
+            # part of the prompt where the engine leaves such a chat's tools out
+            # (vLLM's --exclude-tools-when-tool-choice-none)
+            chat_body["tool_choice"] = "none"
     return chat_body
 
 

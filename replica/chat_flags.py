@@ -1,7 +1,8 @@
 """The replica's chat flags, as vLLM spells them: ``--chat-template FILE`` (instead of the
 model's own template; the gateway must be given the same file for the model, or its keys
 never match the replica's blocks), ``--default-chat-template-kwargs JSON`` (the template's
-variables where a request sets none; the gateway too) and ``--tool-call-parser hermes``."""
+variables where a request sets none; the gateway too), ``--exclude-tools-when-tool-choice-none``
+(the gateway too) and ``--tool-call-parser hermes``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
         help='chat template variables where a request sets none, e.g. \'{"enable_thinking": '
         "false}' (vLLM's flag; give the gateway the same)",
     )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="render a chat whose tool_choice is none without its tools (vLLM's flag; "
+        "give the gateway the same)",
+    )
     add_env_flag(
         p,
         "tool-call-parser",
@@ -41,6 +48,7 @@ def apply_chat_template_flag(args: argparse.Namespace, tokenizer: ChatTokenizer)
     tokenizer; ValueError when unreadable."""
     if args.default_chat_template_kwargs is not None:
         tokenizer.template_defaults = template_defaults(args.default_chat_template_kwargs)
+    tokenizer.exclude_tools_when_tool_choice_none = args.exclude_tools_when_tool_choice_none
     if args.chat_template is not None:
         try:
             tokenizer.set_chat_template(read_chat_template_file(args.chat_template))

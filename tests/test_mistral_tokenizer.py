@@ -252,3 +252,14 @@ def test_a_hub_model_is_mistral_when_its_listing_says_so(
     listed = load_mistral("mistralai/tiny", "auto")
     assert listed is not None
     assert listed.encode("Hello") == fetched.encode("Hello")
+
+
+def test_mistral_leaves_the_tools_out_as_the_flag_says(tmp_path: Path) -> None:
+    tokenizer = load_mistral(str(model_folder(tmp_path, "v7")), "auto")
+    assert tokenizer is not None
+    plain = [{"role": "user", "content": "Hi!"}]
+    body = {"model": "m", "messages": plain, "tools": TOOLS, "tool_choice": "none"}
+    chat = chat_input(ChatCompletionRequest.model_validate(body))
+    assert tokenizer.encode_input(chat) == reference(tmp_path / "v7", plain, tools=TOOLS)
+    tokenizer.exclude_tools_when_tool_choice_none = True
+    assert tokenizer.encode_input(chat) == reference(tmp_path / "v7", plain)
