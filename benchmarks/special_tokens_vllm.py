@@ -63,13 +63,16 @@ def run(
     args: argparse.Namespace,
     ways: Sequence[str] = WAYS,
     request: Request = request,
+    gateway_args: list[str] | None = None,
+    bridge_args: list[str] | None = None,
 ) -> None:
     """``args.chats`` conversations per way, their turns ``args.wait_s`` apart, through a
-    stack from ``tree``; ``request(way, model, turns)``: a turn's path and body."""
+    stack from ``tree`` (its gateway and bridges given ``gateway_args``, ``bridge_args``);
+    ``request(way, model, turns)``: a turn's path and body."""
     texts = documents(args.chats * len(ways) * args.turns, args.words, args.seed)
     chats = [texts[i * args.turns : (i + 1) * args.turns] for i in range(args.chats * len(ways))]
     with tempfile.TemporaryDirectory() as work:
-        stack = Stack(tree, engines, Path(work))
+        stack = Stack(tree, engines, Path(work), gateway_args, bridge_args)
         try:
             reset(engines, args.model)
             last: dict[int, str] = {}

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from special_tokens_vllm import chat_turns, run_trees
 
 WAYS = ("chat with tools",)
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
