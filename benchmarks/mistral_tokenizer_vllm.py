@@ -37,19 +37,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from hub_models_vllm import Stack, documents, reset
 from reasoning_vllm import KEY_TOKENS, ask
 from special_tokens_vllm import chat_turns, run_trees
+from tool_use_template_vllm import TOOLS
 
 WAYS = ("chat", "agent with tools")
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-        },
-    }
-    for name, description in (("search_notes", "Search the notes."), ("add_note", "Add a note."))
-]
 TOKENIZER = "mistral_instruct_tokenizer_241114.model.v7"  # in mistral_common's package data
 
 
