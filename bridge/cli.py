@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engine's --tokenizer-mode (vLLM's: auto, hf, mistral), for the start-up "
         "parity check",
     )
+    add_env_flag(
+        p,
+        "chat-template-content-format",
+        default="auto",
+        choices=("auto", "string", "openai"),  # prefixgate.content_format's options
+        help="the engine's --chat-template-content-format (vLLM's), for the start-up parity check",
+    )
     p.add_argument(
         "--no-tokenizer-check", action="store_true", help="skip the start-up parity check"
     )
@@ -163,6 +170,7 @@ def parse_args(argv: list[str] | None) -> BridgeConfig:
         chat_template=template,
         template_defaults=defaults,
         tokenizer_mode=args.tokenizer_mode,
+        content_format=args.chat_template_content_format,
         check_tokenizer=not args.no_tokenizer_check,
         heartbeat_s=args.heartbeat_s,
     )

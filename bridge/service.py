@@ -71,6 +71,7 @@ class BridgeConfig:
     # the engine's --default-chat-template-kwargs, for the parity check
     template_defaults: dict[str, Any] | None = None
     tokenizer_mode: str = "auto"  # the engine's --tokenizer-mode, for the parity check
+    content_format: str = "auto"  # the engine's --chat-template-content-format, likewise
     check_tokenizer: bool = True
     heartbeat_s: float = 1.0
     info_ttl_s: float = 5.0
@@ -408,6 +409,7 @@ class Bridge:
                 template,
                 self.config.template_defaults,
                 self.config.tokenizer_mode,
+                self.config.content_format,
             )
             await self._wait_for_model()
             c = self.config

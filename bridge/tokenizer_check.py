@@ -22,15 +22,17 @@ import argparse
 import asyncio
 import ssl
 import sys
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import httpx
 
 from bridge.engine_auth import add_engine_access_flags, engine_api_key, engine_headers
 from prefixgate.chat_input import ChatInput, template_defaults
+from prefixgate.content_format import CONTENT_FORMAT_OPTIONS, ContentFormat
 from prefixgate.envflags import add_env_flag
 from prefixgate.mistral_tokenizer import TOKENIZER_MODES
 from prefixgate.model_tokenizer import ModelTokenizer, load_model_tokenizer
+from prefixgate.segments import SegmentCache
 from prefixgate.tls import client_context, client_tls_from_args
 from prefixgate.tokenizer import read_chat_template_file
 
@@ -77,13 +79,15 @@ def load_first(
     chat_template: str | None = None,
     template_defaults: dict[str, Any] | None = None,
     mode: str = "auto",
+    content_format: str = "auto",
 ) -> tuple[ModelTokenizer, str]:
     """``load_tokenizer`` of the first of ``sources`` that loads, and that source, as the
     gateway tries a model's name and then its engine's ``root``; the last failure when
     none does."""
     for i, source in enumerate(sources):
         try:
-            return load_tokenizer(source, chat_template, template_defaults, mode), source
+            loaded = load_tokenizer(source, chat_template, template_defaults, mode, content_format)
+            return loaded, source
         except Exception:
             if i == len(sources) - 1:
                 raise
@@ -95,13 +99,16 @@ def load_tokenizer(
     chat_template: str | None = None,
     template_defaults: dict[str, Any] | None = None,
     mode: str = "auto",
+    content_format: str = "auto",
 ) -> ModelTokenizer:
     """The gateway's tokenizer for the model; ``chat_template``: the jinja source of a
     ``--chat-template`` that replaces the model's own, ``template_defaults`` a
-    ``--default-chat-template-kwargs`` and ``mode`` a ``--tokenizer-mode``, as the
-    gateway applies them."""
+    ``--default-chat-template-kwargs``, ``mode`` a ``--tokenizer-mode`` and
+    ``content_format`` a ``--chat-template-content-format``, as the gateway applies them."""
     tokenizer = load_model_tokenizer(name_or_dir, chat_template, mode)
     tokenizer.template_defaults = dict(template_defaults or {})
+    if content_format != "auto" and isinstance(tokenizer, SegmentCache):
+        tokenizer.content_format_option = cast(ContentFormat, content_format)
     return tokenizer
 
 
@@ -233,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=TOKENIZER_MODES,
         help="the engine's --tokenizer-mode (vLLM's), as given to the gateway",
     )
+    add_env_flag(
+        p,
+        "chat-template-content-format",
+        default="auto",
+        choices=CONTENT_FORMAT_OPTIONS,
+        help="the engine's --chat-template-content-format (vLLM's), as given to the gateway",
+    )
     return p
 
 
@@ -245,16 +259,23 @@ def main(argv: list[str] | None = None) -> int:
         key = engine_api_key(args.engine_api_key)
         tls = client_tls_from_args(args, "engine")
         template = read_chat_template_file(args.chat_template) if args.chat_template else None
+        content_format = args.chat_template_content_format
         raw_defaults = args.default_chat_template_kwargs
         defaults = template_defaults(raw_defaults) if raw_defaults is not None else None
         if args.model:
-            tokenizer = load_tokenizer(args.model, template, defaults, args.tokenizer_mode)
+            tokenizer = load_tokenizer(
+                args.model, template, defaults, args.tokenizer_mode, content_format
+            )
         else:
             card = asyncio.run(engine_card(args.engine_url.rstrip("/"), key, tls))
             root = card.get("root")
             sources = [str(card["id"]), *([root] if isinstance(root, str) and root else [])]
             tokenizer, source = load_first(
-                list(dict.fromkeys(sources)), template, defaults, args.tokenizer_mode
+                list(dict.fromkeys(sources)),
+                template,
+                defaults,
+                args.tokenizer_mode,
+                content_format,
             )
             print(f"the gateway's tokenizer: {source}")
         results = asyncio.run(

@@ -179,6 +179,7 @@ def _key_builder(config: GatewayConfig) -> KeyBuilder:
         template_defaults=config.template_defaults,
         tokenizer_modes=config.tokenizer_modes,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
+        content_format=config.content_format,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from gateway.config import POLICIES, GatewayConfig
 from gateway.sagemaker_sessions import session_seconds_from_env
 from prefixgate.chat_input import template_defaults
+from prefixgate.content_format import CONTENT_FORMAT_OPTIONS
 from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value, env_var
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
@@ -125,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(exclude, "").lower() in ("1", "true", "yes"),
         help="the replicas were started with vLLM's flag of this name: a chat whose "
         f"tool_choice is none is rendered without its tools (env {exclude}=1)",
+    )
+    add_env_flag(
+        p,
+        "chat-template-content-format",
+        default="auto",
+        choices=CONTENT_FORMAT_OPTIONS,
+        help="the replicas' --chat-template-content-format (vLLM's): how a message's "
+        "content reaches the template, a string or OpenAI's list of parts; auto detects it",
     )
     add_env_flag(p, "block-size", type=int, default=16, help="tokens per KV block")
     add_env_flag(p, "max-body-mb", type=float, default=16.0, help="largest request body")
@@ -294,6 +303,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         template_defaults=template_defaults_flags(args.default_chat_template_kwargs),
         tokenizer_modes=tokenizer_mode_flags(args.tokenizer_mode),
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        content_format=args.chat_template_content_format,
         block_size=args.block_size,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         upstream_timeout_s=args.upstream_timeout_s,

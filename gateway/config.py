@@ -49,6 +49,8 @@ class GatewayConfig:
     tokenizer_modes: dict[str, str] = field(default_factory=dict)
     # --exclude-tools-when-tool-choice-none: the replicas' (vLLM's flag)
     exclude_tools_when_tool_choice_none: bool = False
+    # --chat-template-content-format: the replicas' (vLLM's flag); "auto" detects it
+    content_format: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
     max_body_bytes: int = 16 * 1024 * 1024
     # Longest wait for the upstream's next byte (first byte included); then it counts as

@@ -109,6 +109,7 @@ class KeyBuilder:
     __slots__ = (
         "_chat_template",
         "_chat_templates",
+        "_content_format",
         "_exclude_tools",
         "_inline_chars",
         "_loader",
@@ -136,6 +137,7 @@ class KeyBuilder:
         template_defaults: Mapping[str, dict[str, Any]] | None = None,
         tokenizer_modes: Mapping[str, str] | None = None,
         exclude_tools_when_tool_choice_none: bool = False,
+        content_format: str = "auto",
     ) -> None:
         self._override = tokenizer
         self._model_tokenizers = dict(tokenizers or {})  # model -> source (--tokenizer M=SRC)
@@ -153,6 +155,7 @@ class KeyBuilder:
         self._tokenizer_modes = dict(tokenizer_modes or {})
         # vLLM's --exclude-tools-when-tool-choice-none, as the replicas were started
         self._exclude_tools = exclude_tools_when_tool_choice_none
+        self._content_format = content_format  # --chat-template-content-format, vLLM's
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._tried: dict[str, set[str]] = {}  # model -> sources that failed to load
         self._loading: dict[str, asyncio.Task[None]] = {}
@@ -199,6 +202,8 @@ class KeyBuilder:
                     tokenizer, "exclude_tools_when_tool_choice_none"
                 ):
                     tokenizer.exclude_tools_when_tool_choice_none = True
+                if self._content_format != "auto" and hasattr(tokenizer, "content_format_option"):
+                    tokenizer.content_format_option = self._content_format
             except Exception as exc:  # no such folder, no tokenizer files, Hub unreachable
                 tried.add(source)
                 failures.append(f"{source}: {exc}")

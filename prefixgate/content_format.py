@@ -31,6 +31,8 @@ from typing import Any, Literal, NamedTuple
 from jinja2 import nodes
 
 ContentFormat = Literal["string", "openai"]
+# vLLM's --chat-template-content-format: "auto" detects the template's
+CONTENT_FORMAT_OPTIONS = ("auto", "string", "openai")
 
 
 class _Untraceable(Exception):

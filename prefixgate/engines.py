@@ -78,6 +78,8 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
         cmd += ["--tokenizer-mode", args.tokenizer_mode]
     if args.exclude_tools_when_tool_choice_none:
         cmd += ["--exclude-tools-when-tool-choice-none"]
+    if args.chat_template_content_format is not None:
+        cmd += ["--chat-template-content-format", args.chat_template_content_format]
     if args.tool_call_parser is not None:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser]
     for extra in args.engine_arg or ():
@@ -108,4 +110,6 @@ def bridge_command(
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     if args.tokenizer_mode is not None:
         cmd += ["--tokenizer-mode", args.tokenizer_mode]
+    if args.chat_template_content_format is not None:
+        cmd += ["--chat-template-content-format", args.chat_template_content_format]
     return cmd

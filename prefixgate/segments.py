@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer as HFTokenizer
 
 from prefixgate.chat_input import ChatInput
+from prefixgate.content_format import ContentFormat
 from prefixgate.tokenizer import encode_ids
 
 # Pre-tokenizer or normalizer settings under which a piece's ids depend on its position.
@@ -52,6 +53,7 @@ class ChatSource(Protocol):
     tokenizer: HFTokenizer
     template_defaults: dict[str, Any]
     exclude_tools_when_tool_choice_none: bool
+    content_format_option: ContentFormat | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -156,6 +158,15 @@ class SegmentCache:
     @exclude_tools_when_tool_choice_none.setter
     def exclude_tools_when_tool_choice_none(self, value: bool) -> None:
         self.inner.exclude_tools_when_tool_choice_none = value
+
+    @property
+    def content_format_option(self) -> ContentFormat | None:
+        """The wrapped tokenizer's (vLLM's --chat-template-content-format)."""
+        return self.inner.content_format_option
+
+    @content_format_option.setter
+    def content_format_option(self, value: ContentFormat | None) -> None:
+        self.inner.content_format_option = value
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text)

@@ -226,6 +226,8 @@ class ChatTokenizer:
         self.template_defaults: dict[str, Any] = {}
         # the server's --exclude-tools-when-tool-choice-none (vLLM's; chat_input.py)
         self.exclude_tools_when_tool_choice_none = False
+        # the server's --chat-template-content-format (vLLM's): a format, or None to detect
+        self.content_format_option: ContentFormat | None = None
         self.set_chat_template(chat_template)
         self.eos_token_ids = eos_token_ids
         bos = special_tokens.get("bos_token")
@@ -283,6 +285,8 @@ class ChatTokenizer:
 
     @property
     def content_format(self) -> ContentFormat:
+        if self.content_format_option is not None:
+            return self.content_format_option
         return self._default.content_format if self._default is not None else "string"
 
     @property
@@ -325,7 +329,8 @@ class ChatTokenizer:
                 param="messages",
             )
         variables = chat.variables(self.template_defaults)
-        variables["messages"] = shaped_messages(variables["messages"], template.content_format)
+        fmt = self.content_format_option or template.content_format
+        variables["messages"] = shaped_messages(variables["messages"], fmt)
         if not template.developer_role:
             variables["messages"] = without_developer_role(variables["messages"])
         try:

@@ -86,6 +86,8 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
         cmd += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
     if args.exclude_tools_when_tool_choice_none:
         cmd += ["--exclude-tools-when-tool-choice-none"]
+    if args.chat_template_content_format is not None:
+        cmd += ["--chat-template-content-format", args.chat_template_content_format]
     if args.tool_call_parser is not None:
         cmd += ["--tool-call-parser", args.tool_call_parser]
     return cmd
@@ -113,6 +115,8 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--tokenizer-mode", args.tokenizer_mode]
     if args.exclude_tools_when_tool_choice_none:  # and what they leave out
         cmd += ["--exclude-tools-when-tool-choice-none"]
+    if args.chat_template_content_format is not None:  # and how they hand content over
+        cmd += ["--chat-template-content-format", args.chat_template_content_format]
     return cmd
 
 
@@ -354,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --engine vllm: vLLM's choice between a model's Hugging Face tokenizer and "
         "Mistral's (auto, vLLM's default: Mistral's where the model has Mistral's weights "
         "and tokenizer files), for the engines, their bridges and the gateway alike",
+    )
+    add(
+        "--chat-template-content-format",
+        choices=["auto", "string", "openai"],  # prefixgate.content_format's options
+        help="how a message's content reaches the template (vLLM's flag: auto detects it "
+        "from the template), for the replicas (or engines), their bridges and the gateway",
     )
     add(
         "--exclude-tools-when-tool-choice-none",

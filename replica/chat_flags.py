@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from prefixgate.chat_input import template_defaults
+from prefixgate.content_format import CONTENT_FORMAT_OPTIONS
 from prefixgate.envflags import add_env_flag
 from prefixgate.tokenizer import ChatTokenizer, read_chat_template_file
 from replica.tool_parser import TOOL_CALL_PARSERS
@@ -27,6 +28,14 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='chat template variables where a request sets none, e.g. \'{"enable_thinking": '
         "false}' (vLLM's flag; give the gateway the same)",
+    )
+    add_env_flag(
+        p,
+        "chat-template-content-format",
+        default="auto",
+        choices=CONTENT_FORMAT_OPTIONS,
+        help="how a message's content reaches the template: a string, OpenAI's list of "
+        "parts, or auto-detected from the template (vLLM's flag; give the gateway the same)",
     )
     p.add_argument(
         "--exclude-tools-when-tool-choice-none",
@@ -49,6 +58,8 @@ def apply_chat_template_flag(args: argparse.Namespace, tokenizer: ChatTokenizer)
     if args.default_chat_template_kwargs is not None:
         tokenizer.template_defaults = template_defaults(args.default_chat_template_kwargs)
     tokenizer.exclude_tools_when_tool_choice_none = args.exclude_tools_when_tool_choice_none
+    if args.chat_template_content_format != "auto":
+        tokenizer.content_format_option = args.chat_template_content_format
     if args.chat_template is not None:
         try:
             tokenizer.set_chat_template(read_chat_template_file(args.chat_template))

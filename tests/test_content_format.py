@@ -182,3 +182,58 @@ def test_string_format_joins_parts_as_before() -> None:
     parts = chat_input(_request({"messages": REQUEST["messages"][1:2]}))
     joined = ChatInput.plain([{"role": "user", "content": "a\nb"}])
     assert smollm2.encode_input(parts) == smollm2.encode_input(joined)
+
+
+def test_an_engine_told_its_format_is_followed_not_the_detection() -> None:
+    """vLLM's ``--chat-template-content-format string`` (or ``openai``) overrides what it
+    detects; the gateway, the replica, the bridge's check and ``up`` take the same flag."""
+    import asyncio
+
+    from bridge.tokenizer_check import load_tokenizer
+    from gateway.cli import build_parser, config_from_args
+    from gateway.routing import KeyBuilder
+    from prefixgate import up
+    from prefixgate.engines import EnginePorts, bridge_command, vllm_command
+    from prefixgate.tokenizer import read_chat_template_file
+    from replica.chat_flags import apply_chat_template_flag
+    from replica.cli import build_parser as replica_parser
+
+    template = read_chat_template_file(OPENAI_TEMPLATE)
+    tokenizer = ChatTokenizer.from_dir(ensure_tokenizer_dir("tiny-random"))
+    tokenizer.set_chat_template(template)
+    chat = ChatInput.plain([{"role": "user", "content": "hi"}])
+    assert "[hi]" in tokenizer.render(chat)  # detected: openai, a string becomes a part
+    tokenizer.content_format_option = "string"
+    assert tokenizer.content_format == "string"
+    assert "[hi]" not in tokenizer.render(chat) and "hi" in tokenizer.render(chat)
+
+    args = build_parser().parse_args(["--chat-template-content-format", "string"])
+    assert config_from_args(args).content_format == "string"
+    request = parse_request(
+        ChatCompletionRequest,
+        {"model": "tiny-random", "messages": [{"role": "user", "content": "hi " * 40}]},
+    )
+
+    def keys(fmt: str) -> list[bytes]:
+        builder = KeyBuilder(chat_template=template, content_format=fmt)
+        return asyncio.run(builder.keys(request, "tiny-random", 16, "")).keys
+
+    assert keys("string") != keys("auto") and keys("openai") == keys("auto")
+
+    flags = up.parse_args(["--chat-template-content-format", "string"])
+    replica = replica_parser().parse_args(up.replica_command(flags, 0, 9000, "redis://x")[4:])
+    loaded = ChatTokenizer.from_dir(ensure_tokenizer_dir("tiny-random"))
+    apply_chat_template_flag(replica, loaded)
+    assert loaded.content_format_option == "string"
+    gateway = build_parser().parse_args(up.gateway_command(flags, [], "redis://x")[4:])
+    assert gateway.chat_template_content_format == "string"
+    engines = up.parse_args(["--engine", "vllm", "--chat-template-content-format", "string"])
+    engine = vllm_command(engines, EnginePorts(1, 2, 3))
+    assert engine[engine.index("--chat-template-content-format") + 1] == "string"
+    bridge = bridge_command(engines, EnginePorts(1, 2, 3), "h", "r")
+    assert bridge[bridge.index("--chat-template-content-format") + 1] == "string"
+    from bridge.cli import build_parser as bridge_parser
+
+    assert bridge_parser().parse_args(bridge[4:]).chat_template_content_format == "string"
+    checked = load_tokenizer("tiny-random", template, None, "auto", "string")
+    assert "[hi]" not in checked.inner.render(chat)  # type: ignore[union-attr]
