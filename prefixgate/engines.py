@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from prefixgate.models import is_builtin, model_dir, on_the_hub
+from prefixgate.models import hub_revision, is_builtin, model_dir, on_the_hub, served_names
 
 ENGINES = ("prefixgate", "vllm")
 
@@ -63,8 +63,12 @@ def vllm_command(args: argparse.Namespace, ports: EnginePorts) -> list[str]:
         "topic": "",
     }
     cmd = [args.engine_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    served = args.served_model_name or [args.model]
-    cmd += ["--model", str(engine_model_path(args.model)), "--served-model-name", *served]
+    served = served_names(args.model, args.served_model_name)
+    model = engine_model_path(args.model)
+    repo, revision = hub_revision(model) if isinstance(model, str) else (model, None)
+    cmd += ["--model", str(repo), "--served-model-name", *served]
+    if revision is not None:  # ID@REV: the engine loads that revision
+        cmd += ["--revision", revision]
     cmd += ["--host", args.host, "--port", str(ports.http)]
     cmd += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     cmd += ["--kv-events-config", json.dumps(events)]
@@ -102,7 +106,7 @@ def bridge_command(
     cmd += ["--replay", f"tcp://{host}:{ports.replay}"]
     if data_parallel_rank is not None:
         cmd += ["--data-parallel-rank", str(data_parallel_rank)]
-    served = args.served_model_name[0] if args.served_model_name else args.model
+    served = served_names(args.model, args.served_model_name)[0]
     cmd += ["--redis-url", redis_url, "--model", served, "--tokenizer", args.model]
     if args.chat_template is not None:  # the engine renders with it: so must the parity check
         cmd += ["--chat-template", str(args.chat_template)]

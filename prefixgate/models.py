@@ -54,7 +54,9 @@ HUB_MODEL_FILES = (*HUB_TOKENIZER_FILES, "*.json", "*.safetensors")
 # How long a tokenizer's fetch from the Hub may take (PREFIXGATE_HUB_TIMEOUT_S).
 HUB_TIMEOUT_S = 30.0
 _T = TypeVar("_T")
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# org/name, and @REVISION (a branch, tag or commit) where an engine pins one (vLLM's
+# --revision, --tokenizer-revision)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w.-]+)?")
 
 
 class ModelNotFoundError(ValueError):
@@ -154,9 +156,26 @@ def on_the_hub(name: str) -> bool:
 def is_hub_id(name: str) -> bool:
     """Whether ``name`` reads as a Hugging Face Hub model id, ``org/name``: how vLLM and
     SGLang users name models (``--model Qwen/Qwen2.5-7B-Instruct``), and vLLM's default
-    served name. A bare name (``gpt2``, an alias like ``chat``) is not looked up: served
-    aliases are bare, and each lookup may wait for the network."""
+    served name; ``org/name@REVISION`` names one revision of it. A bare name (``gpt2``, an
+    alias like ``chat``) is not looked up: served aliases are bare, and each lookup may
+    wait for the network."""
     return HUB_ID.fullmatch(name) is not None and ".." not in name
+
+
+def served_names(model: str, given: list[str] | None) -> list[str]:
+    """The names a model is served under: ``given`` (``--served-model-name``), else the
+    model's own name, a Hub id without its ``@REVISION`` (as vLLM serves ``--model ID
+    --revision REV`` under ``ID``)."""
+    if given:
+        return list(given)
+    return [hub_revision(model)[0] if on_the_hub(model) else model]
+
+
+def hub_revision(repo_id: str) -> tuple[str, str | None]:
+    """``org/name@REVISION`` as the repository and the revision; None for none (the
+    default branch)."""
+    repo, sep, revision = repo_id.partition("@")
+    return repo, revision if sep else None
 
 
 def hub_timeout_s() -> float:
@@ -189,8 +208,9 @@ def hub_mistral_files(repo_id: str, timeout_s: float | None = None) -> list[str]
     def listing() -> list[str]:
         from huggingface_hub import HfApi
 
+        repo, revision = hub_revision(repo_id)
         try:
-            return list(HfApi().list_repo_files(repo_id))
+            return list(HfApi().list_repo_files(repo, revision=revision))
         except Exception:  # offline, no such repo, gated, network: vLLM's choice too
             return []
 
@@ -242,17 +262,21 @@ def hub_model_dir(repo_id: str) -> Path:
 
 
 def hub_snapshot(repo_id: str, patterns: tuple[str, ...], what: str) -> Path:
-    """The files of ``repo_id`` matching ``patterns``, from the Hugging Face cache, fetched
+    """The files of ``repo_id`` (at its ``@REVISION``, if it names one) matching
+    ``patterns``, from the Hugging Face cache, fetched
     there first when missing. ``huggingface_hub`` honours ``HF_TOKEN``, ``HF_ENDPOINT`` (a
     mirror), ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE``, and falls back to the cached copy
     when the Hub cannot be reached, as vLLM does."""
     from huggingface_hub import snapshot_download
 
+    repo, revision = hub_revision(repo_id)
     try:
         # The top folder only: some repositories keep other formats in folders of their own.
-        path = snapshot_download(repo_id, allow_patterns=list(patterns), ignore_patterns=["*/*"])
+        path = snapshot_download(
+            repo, revision=revision, allow_patterns=list(patterns), ignore_patterns=["*/*"]
+        )
         # ... and the named chat templates beside the default ("tool_use": transformers 5)
-        snapshot_download(repo_id, allow_patterns=[TEMPLATES_PATTERN])
+        snapshot_download(repo, revision=revision, allow_patterns=[TEMPLATES_PATTERN])
         return Path(path)
     except Exception as exc:  # offline and not cached, no such repo, gated, network
         first_line = (str(exc).splitlines() or [""])[0]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prefixgate.engines import ENGINES, EnginePorts, bridge_command, engine_env, vllm_command
 from prefixgate.envflags import add_env_flag, env_list
-from prefixgate.models import DEFAULT_MODEL, SIM_MODEL, model_dir
+from prefixgate.models import DEFAULT_MODEL, SIM_MODEL, model_dir, served_names
 from prefixgate.procs import ChildDied, start_redis
 from prefixgate.stack import PIDS_FILE, Child, Stack, pick_ports, report_death, write_whole
 
@@ -94,9 +94,9 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
 
 
 def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url: str) -> list[str]:
-    served = args.served_model_name[0] if args.served_model_name else args.model
+    served = served_names(args.model, args.served_model_name)[0]
     cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", served]
-    if args.served_model_name:  # names the gateway cannot look up: tokenized as the model
+    if served != args.model:  # names the gateway cannot look up (or its revision's)
         cmd += ["--tokenizer", args.model]
     cmd += ["--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
     for url in replica_urls:
@@ -123,7 +123,7 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
 def banner(args: argparse.Namespace, base_url: str) -> str:
     key = f"<a key from {args.api_keys}>" if args.api_keys is not None else "none"
     message = '[{"role": "user", "content": "Hello!"}]'
-    name = args.served_model_name[0] if args.served_model_name else args.model  # what is served
+    name = served_names(args.model, args.served_model_name)[0]  # what is served
     create = f'client.chat.completions.create(model="{name}", messages={message})'
     body = f'{{"model": "{name}", "messages": {message}}}'
     # several names listed: `prefixgate chat` asks which

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from prefixgate.envflags import add_env_flag, env_list
 from prefixgate.guard import Guard, GuardConfig
 from prefixgate.http_limits import add_http_limit_flags, http_limits_from_args, server_options
+from prefixgate.models import served_names
 from prefixgate.open_files import prepare_open_files
 from prefixgate.root_path import add_root_path_flag, root_prefix, with_root_path
 from prefixgate.tls import add_server_tls_flags, served_scheme, server_tls_options
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     replica_id = args.replica_id or urlsplit(advertise_url).netloc or f"{args.host}:{args.port}"
 
-    served_name, *aliases = args.served_model_name or [args.model]
+    served_name, *aliases = served_names(args.model, args.served_model_name)
     loaded: Any  # replica.models.LoadedModel, or the simulated engine's SimModel
     backend = None
     if args.model == SIM_MODEL:  # torch-free: the forward pass is a cost model

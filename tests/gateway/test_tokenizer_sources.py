@@ -16,6 +16,7 @@ layout, and the real ``huggingface_hub`` reads it offline.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import socket
 import threading
@@ -352,3 +353,50 @@ def test_a_gateway_starts_and_serves_while_the_hub_never_answers(tmp_path: Path)
             gateway.stop()
         replica.stop()
         listener.close()
+
+
+def test_a_pinned_revision_is_the_tokenizer_of_that_revision(offline_hub: Path) -> None:
+    """An engine started with vLLM's ``--revision REV`` renders with that revision's
+    template; ``ID@REV`` names it wherever a tokenizer source goes (the gateway's and the
+    bridge's ``--tokenizer``, ``up --model``), and the default branch is not it."""
+    from prefixgate.models import hub_revision, served_names
+    from prefixgate.tokenizer import ChatTokenizer
+
+    pinned = "fedcba9876543210fedcba9876543210fedcba98"
+    old = offline_hub / "models--acme--tiny" / "snapshots" / pinned
+    old.mkdir()
+    source = ensure_tokenizer_dir("tiny-random")
+    shutil.copy(source / "tokenizer.json", old / "tokenizer.json")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}OLD {{ m.content }}\n{% endfor %}"
+    (old / "tokenizer_config.json").write_text(json.dumps(config))
+    assert is_hub_id(f"acme/tiny@{pinned}") and is_hub_id("acme/tiny@v1.0")
+    assert not is_hub_id("acme/tiny@") and not is_hub_id("acme/tiny@a/b")
+    assert hub_revision(f"acme/tiny@{pinned}") == ("acme/tiny", pinned)
+    assert ensure_tokenizer_dir(f"acme/tiny@{pinned}") == old
+    chat = [{"role": "user", "content": "hi"}]
+    assert ChatTokenizer.for_model(f"acme/tiny@{pinned}").apply_chat_template(chat) == "OLD hi\n"
+    assert "OLD" not in (ChatTokenizer.for_model("acme/tiny").chat_template or "")
+    assert served_names(f"acme/tiny@{pinned}", None) == ["acme/tiny"]
+    assert served_names(f"acme/tiny@{pinned}", ["chat"]) == ["chat"]
+
+
+def test_up_pins_the_engines_revision_and_keys_by_it() -> None:
+    from bridge.cli import build_parser as bridge_parser
+    from gateway.cli import build_parser as gateway_parser
+    from prefixgate import up
+    from prefixgate.engines import EnginePorts, bridge_command, vllm_command
+
+    args = up.parse_args(["--engine", "vllm", "--model", "acme/tiny@v1.0"])
+    engine = vllm_command(args, EnginePorts(1, 2, 3))
+    assert engine[engine.index("--model") + 1] == "acme/tiny"
+    assert engine[engine.index("--revision") + 1] == "v1.0"
+    assert engine[engine.index("--served-model-name") + 1] == "acme/tiny"
+    gateway = gateway_parser().parse_args(up.gateway_command(args, [], "redis://x")[4:])
+    assert (gateway.model, gateway.tokenizer) == (["acme/tiny"], ["acme/tiny@v1.0"])
+    bridge = bridge_parser().parse_args(bridge_command(args, EnginePorts(1, 2, 3), "h", "r")[4:])
+    assert (bridge.model, bridge.tokenizer) == ("acme/tiny", "acme/tiny@v1.0")
+    plain = vllm_command(
+        up.parse_args(["--engine", "vllm", "--model", "acme/tiny"]), EnginePorts(1, 2, 3)
+    )
+    assert "--revision" not in plain
