@@ -309,6 +309,7 @@ class KeyBuilder:
                 ids = tokenizer.encode_rendered(text)
             else:
                 ids = await asyncio.to_thread(tokenizer.encode_rendered, text)
+            ids = engine_truncated(chat, ids)
             space = KeySpace(space_model, block_size, salt)
             return PromptKeys(memo.short_keys(space, ids), len(ids), True)
         return await asyncio.to_thread(
@@ -336,10 +337,14 @@ def prompt_keys(
         prompt = request.single_prompt()
         copies = request.batch_size
         if not isinstance(prompt, str):  # token ids: exact whatever the tokenizer
-            return PromptKeys(keys(prompt), len(prompt) * copies, True)
+            ids = engine_truncated(request, list(prompt))
+            return PromptKeys(keys(ids), len(ids) * copies, True)
         if tokenizer is not None:
             encode = _text_encoder(tokenizer, request.add_special_tokens)
             ids, tokens = _head_ids(encode, prompt, block_size)
+            if tokens == len(ids):  # whole (a head's cut is not the engine's)
+                ids = engine_truncated(request, ids)
+                tokens = len(ids)
             return PromptKeys(keys(ids), tokens * copies, True)
         text = prompt
     else:
@@ -354,15 +359,33 @@ def prompt_keys(
         if isinstance(tokenizer, PieceTokenizer):
             encode = _text_encoder(tokenizer, request.add_special_tokens)
             ids, tokens = _head_ids(encode, tokenizer.render(chat), block_size)
+            if tokens == len(ids):  # whole (a head's cut is not the engine's)
+                ids = engine_truncated(request, ids)
+                tokens = len(ids)
             return PromptKeys(keys(ids), tokens, True)
         if tokenizer is not None:
-            ids = tokenizer.encode_input(chat)
+            ids = engine_truncated(request, tokenizer.encode_input(chat))
             return PromptKeys(keys(ids), len(ids), True)
         text = chat_bytes_text(chat)
     words = bytes_as_tokens(text.encode("utf-8"))
     byte_space = KeySpace(f"bytes:{model}", block_size, salt)
     byte_keys = byte_space.short_keys if memo is None else partial(memo.short_keys, byte_space)
     return PromptKeys(byte_keys(words), len(words) * copies, False)
+
+
+def engine_truncated(
+    request: ChatCompletionRequest | CompletionRequest, ids: list[int]
+) -> list[int]:
+    """The prompt ids an engine keeps under vLLM's ``truncate_prompt_tokens: N``: the last
+    N (vLLM's side for generating models), or the first N with ``truncation_side:
+    "right"``; its blocks, and so the keys that find them, start where it cut. All of
+    them for any other value (-1, the model's length, is not known here; 0 is refused by
+    the engine)."""
+    extra = request.model_extra or {}
+    keep = extra.get("truncate_prompt_tokens")
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 < keep < len(ids):
+        return ids
+    return ids[:keep] if extra.get("truncation_side") == "right" else ids[-keep:]
 
 
 def _text_encoder(tokenizer: Tokenizer, special: bool) -> Callable[[str], list[int]]:
