@@ -12,8 +12,9 @@ id. Prints a pass/fail line per case and exits 1 on any failure. With ``--chat-t
 FILE`` the gateway's side renders with that template, as a gateway started with the same
 flag does; the engine's side is what its own start-up template makes of a plain request.
 ``--default-chat-template-kwargs JSON`` likewise gives the gateway's side the variables
-the engine was started with, and ``--tokenizer-mode`` the engine's choice between a
-model's Hugging Face and Mistral tokenizers.
+the engine was started with, ``--tokenizer-mode`` the engine's choice between a model's
+Hugging Face and Mistral tokenizers, and ``--chat-template-content-format`` how it hands
+content to its template.
 """
 
 from __future__ import annotations
