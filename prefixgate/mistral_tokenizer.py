@@ -6,10 +6,9 @@ both Mistral's weights (``consolidated*.safetensors``) and Mistral's tokenizer
 (``tekken.json`` or ``tokenizer.model.v*``): every model Mistral publishes (Mistral Small
 3.x, Devstral, Magistral, Ministral, Mistral 7B v0.3). Such a chat never meets a Jinja
 template: ``mistral_common`` turns the OpenAI messages into its own request and encodes
-that, control tokens and all. Many of these repositories have no ``tokenizer.json``, and
-the templates of those that do render otherwise; so a gateway that rendered them as Hugging
-Face models keyed their chats by bytes or by other ids, and matched none of the blocks
-the engines published.
+that, control tokens and all. A gateway that took such a model for a Hugging Face one
+keyed its chats by bytes (a folder without ``tokenizer.json``) or by a template's ids
+that vLLM never rendered, and so matched none of the blocks the engines published.
 
 This class encodes as vLLM's ``MistralTokenizer`` (through transformers'
 ``MistralCommonBackend``) does, in ``mistral_common``'s test mode:
