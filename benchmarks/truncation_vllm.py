@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_models_vllm import Stack, documents, reset
 from reasoning_vllm import KEY_TOKENS, ask
+from special_tokens_vllm import parser
 
 WAYS = ("chat, regenerated", "completion, regenerated")
 
@@ -76,15 +77,10 @@ def run(tree: str, label: str, engines: list[list[str]], args: argparse.Namespac
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engine", action="append", required=True, metavar="URL,EVENTS,REPLAY")
-    p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR")
-    p.add_argument("--model", default="smollm2-135m")
+    p = parser(__doc__, "smollm2-135m")
     p.add_argument("--docs", type=int, default=6)
-    p.add_argument("--words", type=int, default=700)
     p.add_argument("--keep", type=int, default=512)
-    p.add_argument("--wait-s", type=float, default=35.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(words=700)
     args = p.parse_args()
     engines = [e.split(",") for e in args.engine]
     for name, tree in [t.split("=", 1) for t in args.tree] or [["this", "."]]:

@@ -26,7 +26,7 @@ This class encodes as vLLM's ``MistralTokenizer`` (through transformers'
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -117,9 +117,6 @@ class MistralChatTokenizer:
         # vLLM hands Mistral's tokenizer none of them but the reasoning effort (version 15+)
         self.template_defaults: dict[str, Any] = {}
         self.exclude_tools_when_tool_choice_none = False  # vLLM's flag (chat_input.py)
-        self.bos_token_id: int | None = self._text.bos_id
-        self.eos_token_ids: list[int] = [self._text.eos_id]
-        self.vocab_size: int = self._text.n_words
 
     @classmethod
     def from_dir(cls, folder: Path, name: str | None = None) -> MistralChatTokenizer:
@@ -166,13 +163,6 @@ class MistralChatTokenizer:
                 param="messages",
             ) from exc
         return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
-
-        policy = SpecialTokenPolicy.IGNORE if skip_special_tokens else SpecialTokenPolicy.KEEP
-        text: str = self._text.decode(list(ids), special_token_policy=policy)
-        return text
 
 
 def sent_message(message: dict[str, Any]) -> dict[str, Any]:
