@@ -63,6 +63,7 @@ from gateway.tenant_caps import TenantCaps
 from gateway.tenant_rates import TenantRates
 from gateway.tokens_api import TOKENS_API_PATHS, serve_tokens_api
 from gateway.upstream import Upstream
+from gateway.workers import every_workers_metrics
 from prefixgate.tls import TLSFiles
 from prefixgate.wire import OpenAIError, error_body
 from router.protocol import redacted_url
@@ -314,7 +315,14 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        own = state.metrics.render()
+        config = state.config
+        if config.worker is not None and not _on_own_port(request, config):
+            # One of --workers, asked on the shared address: every worker's series.
+            own = await every_workers_metrics(
+                own, config.worker, config.worker_ports, tls=config.serves_tls
+            )
+        return Response(own, media_type="text/plain; version=0.0.4")
 
     @app.get("/router/stats")
     async def router_stats(request: Request) -> Response:
@@ -324,6 +332,11 @@ def _add_routes(app: FastAPI) -> None:
         if denied := _not_admin(state, request, "The router's stats show every tenant's traffic"):
             return denied
         stats = state.router.stats()
+        if state.config.worker is not None:  # this worker's view: each has its own
+            stats["worker"] = {
+                "index": state.config.worker,
+                "workers": len(state.config.worker_ports),
+            }
         if state.sync is not None:  # Redis: reachable, rebuilds, reconnects, items skipped
             sync = state.sync
             stats["sync"] = {
@@ -348,6 +361,12 @@ def _add_routes(app: FastAPI) -> None:
         code = "not_found" if exc.status_code == 404 else None
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(error_body(message, code=code), exc.status_code)
+
+
+def _on_own_port(request: Request, config: GatewayConfig) -> bool:
+    """Whether a worker was reached on its own loopback port (gateway/workers.py)."""
+    server = request.scope.get("server") or (None, None)
+    return config.worker is not None and server[1] == config.worker_ports[config.worker]
 
 
 def _tenant(state: GatewayState, request: Request) -> Tenant | Response:

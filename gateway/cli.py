@@ -13,11 +13,14 @@ import json
 import logging
 import math
 import os
+import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
 from gateway.sagemaker_sessions import session_seconds_from_env
+from gateway.workers import Supervisor, bind_public, worker_spec
 from prefixgate.chat_input import template_defaults
 from prefixgate.content_format import CONTENT_FORMAT_OPTIONS
 from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value, env_var
@@ -172,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_http_limit_flags(p)
     add_env_flag(p, "gateway-id", help="this gateway's id in routing hints shared through Redis")
+    add_env_flag(
+        p,
+        "workers",
+        type=int,
+        default=1,
+        help="gateway processes serving the address, one core each at most; more than one "
+        "needs --redis-url, which they share as separate gateways do (gateway/workers.py)",
+    )
     add_env_flag(p, "log-level", default="info", help="logging level")
     return p
 
@@ -317,10 +328,40 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+def check_workers(args: argparse.Namespace, config: GatewayConfig) -> None:
+    """``--workers N``: what N processes cannot do without sharing state."""
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    if args.workers == 1:
+        return
+    if not config.redis_url:
+        raise ValueError(
+            "--workers above 1 needs --redis-url: the workers share the replicas' blocks, "
+            "routing hints, response ids and tenant limits through it, as gateways do"
+        )
+    if config.sagemaker_session_s is not None:
+        raise ValueError(
+            "SageMaker's stateful sessions are kept by the process that opened them: "
+            "run them with --workers 1"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw_argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(raw_argv)
+    spec = worker_spec()  # set when this process is one of --workers
     try:
         config = config_from_args(args)
+        check_workers(args, config)
+        if spec is not None:
+            suffix = f"-w{spec.index}"
+            config = replace(
+                config,
+                worker=spec.index,
+                worker_ports=spec.ports,
+                gateway_id=config.gateway_id + suffix if config.gateway_id else None,
+                serves_tls=bool(args.ssl_certfile),
+            )
         origins = allowed_origins(args.allowed_origins)
         root_prefix(args.root_path)  # checked here: a bad one stops the command
         if not (math.isfinite(args.keep_alive_s) and args.keep_alive_s > 0):
@@ -345,7 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefixgate gateway: {exc}")
         return 2
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    where = f" w{spec.index}" if spec is not None else ""
+    logging.basicConfig(
+        level=level, format=f"%(asctime)s %(levelname)s %(name)s{where} %(message)s"
+    )
+    if spec is None and args.workers > 1:
+        try:
+            public = bind_public(config.host, config.port)
+        except OSError as exc:
+            print(f"prefixgate gateway: cannot listen on {config.host}:{config.port}: {exc}")
+            return 1
+        return Supervisor(raw_argv, args.workers, public, tls=bool(args.ssl_certfile)).run()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health probe: noise
     logging.getLogger("prefixgate.gateway").info(open_files.describe())
     import uvicorn
@@ -369,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         handshake_timeout_s=limits.header_timeout_s,
     )
-    server.run()
+    server.run(sockets=spec.sockets() if spec is not None else None)
     if not server.started:
         return 1
     return 0

@@ -71,6 +71,11 @@ class GatewayConfig:
     # SageMaker's stateful sessions (gateway/sagemaker.py): how long one lasts, None: off.
     # Read from vLLM's SAGEMAKER_ENABLE_STATEFUL_SESSIONS and SAGEMAKER_SESSIONS_EXPIRATION.
     sagemaker_session_s: int | None = None
+    # Under ``--workers`` (gateway/workers.py): this worker's index and every worker's
+    # loopback port, by index; None for a gateway that is one process.
+    worker: int | None = None
+    worker_ports: tuple[int, ...] = ()
+    serves_tls: bool = False  # the workers' loopback ports too, then
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

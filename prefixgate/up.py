@@ -103,6 +103,8 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--replica", url]
     if args.policy is not None:
         cmd += ["--policy", args.policy]
+    if args.gateway_workers > 1:
+        cmd += ["--workers", str(args.gateway_workers)]
     for option in args.router_option or ():
         cmd += ["--router-option", option]
     if args.api_keys is not None:
@@ -322,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--redis-url", metavar="URL", default=None, help="use this Redis; no embedded one")
     add("--policy", metavar="NAME", default=None, help="gateway routing policy (its default)")
     add(
+        "--gateway-workers",
+        metavar="N",
+        type=int,
+        default=1,
+        help="gateway processes serving the port (its --workers; default 1): one core of "
+        "gateway work each, for many replicas or long streamed answers",
+    )
+    add(
         "--router-option",
         metavar="NAME=VALUE",
         action="append",
@@ -401,6 +411,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--replicas must be at least 1")
     if args.data_parallel_size < 1:
         parser.error("--data-parallel-size must be at least 1")
+    if args.gateway_workers < 1:
+        parser.error("--gateway-workers must be at least 1")
     if args.data_parallel_size > 1 and args.engine != "vllm":
         parser.error("--data-parallel-size is for --engine vllm")
     if not (args.device == "cpu" or args.device == "cuda" or args.device.startswith("cuda:")):
