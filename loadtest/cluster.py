@@ -267,6 +267,7 @@ def launch_cluster(
     num_blocks: int,
     run_dir: Path,
     router_options: Sequence[str] = (),
+    gateway_workers: int = 1,
 ) -> Cluster:
     """Start ``prefixgate up`` (returns at once; ``wait_ready`` waits for it)."""
     port = free_port()
@@ -274,6 +275,7 @@ def launch_cluster(
     (run_dir / "ready").unlink(missing_ok=True)  # a previous run's, not this cluster's
     cmd = [sys.executable, "-m", "prefixgate", "up", "--replicas", str(n_replicas)]
     cmd += ["--model", model, "--port", str(port), "--policy", policy]
+    cmd += ["--gateway-workers", str(gateway_workers)]
     cmd += ["--num-blocks", str(num_blocks), "--run-dir", str(run_dir)]
     for option in router_options:
         cmd += ["--router-option", option]

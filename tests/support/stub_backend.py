@@ -7,7 +7,8 @@ figures measure the gateway. Its answers are fixed text; flags make it fail on p
 
     python -m tests.support.stub_backend --port P [--model NAME] [--fail-status 500]
         [--fail-body TEXT] [--fail-on TEXT] [--break-after N] [--chunks N]
-        [--delay-ms MS] [--health-status 503] [--alias NAME ...] [--lora NAME ...]
+        [--delay-ms MS] [--chunk-interval-ms MS] [--health-status 503]
+        [--alias NAME ...] [--lora NAME ...]
         [--api-key KEY] [--retry-after SECONDS] [--reset none|vllm|vllm-busy|sglang]
 
 ``--fail-on TEXT`` fails only the requests whose body contains TEXT (a poison request;
@@ -73,6 +74,7 @@ class StubConfig:
     break_after: int | None = None  # stream: drop the connection after this many chunks
     chunks: int = 4  # content chunks per streamed answer
     delay_s: float = 0.0  # before answering
+    chunk_interval_s: float = 0.0  # stream: between chunks, as an engine's decode steps
     fail_on: str | None = None  # fail only bodies containing this text
     health_status: int = 200
     remembered: int = 64
@@ -352,6 +354,8 @@ class StubBackend:
     async def _stream(self, send: Send, model: str, chat: bool, include_usage: bool) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         for i in range(self.config.chunks):
+            if i and self.config.chunk_interval_s:
+                await asyncio.sleep(self.config.chunk_interval_s)
             if self.config.break_after is not None and i >= self.config.break_after:
                 raise ConnectionAbortedError("stub: breaking the stream on purpose")
             await send(
@@ -459,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--break-after", type=int)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--chunk-interval-ms", type=float, default=0.0)
     parser.add_argument("--fail-on")
     parser.add_argument("--health-status", type=int, default=200)
     parser.add_argument("--alias", action="append", default=[])
@@ -475,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         break_after=args.break_after,
         chunks=args.chunks,
         delay_s=args.delay_ms / 1000,
+        chunk_interval_s=args.chunk_interval_ms / 1000,
         fail_on=args.fail_on,
         health_status=args.health_status,
         aliases=args.alias,

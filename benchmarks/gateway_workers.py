@@ -1,0 +1,241 @@
+"""One gateway process against several (``prefixgate gateway --workers N``), side by side.
+
+    .venv/bin/python benchmarks/gateway_workers.py [--workers 1 2] [--rounds 3]
+        [--requests 1500] [--concurrency 64]
+
+A stub backend (tests/support/stub_backend.py: it costs nothing, so the figures measure
+the gateway), Redis, and one gateway per ``--workers`` value, all running at once; each
+round sends every workload to every gateway in rotated order (closed loop, aiohttp, its
+own process). Per gateway and workload: requests/s, latency p50/p99 of the whole answer,
+errors, and the CPU the gateway's processes used (parent and workers) per request.
+
+Workloads (the work a gateway does per request, not the engine's):
+
+* ``agent``: a chat with 30 tool definitions (about 6.4k tokens, tests/support/
+  tool_template.jinja rendered and tokenized with tiny-random's tokenizer, as an agent's
+  turn is), the question different every time, answered whole;
+* ``stream``: a short chat answered as 100 streamed chunks 5 ms apart (an engine's
+  decode steps), each relayed by the gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from agents_bench import TEMPLATE, tools  # noqa: E402
+
+from prefixgate.procs import free_port, start_redis, stop_process, wait_http_ok  # noqa: E402
+
+MODEL = "tiny-random"
+CHUNKS = 100
+CHUNK_INTERVAL_MS = 5.0
+
+
+def bodies(workload: str, n: int) -> list[dict[str, Any]]:
+    if workload == "agent":
+        defs = tools(0, 30)
+        return [
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": "You are an operations agent."},
+                    {"role": "user", "content": f"Request {i}: list my open tickets"},
+                ],
+                "tools": defs,
+                "max_tokens": 8,
+            }
+            for i in range(n)
+        ]
+    return [
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Question {i}: tell me about caches."}],
+            "max_tokens": CHUNKS,
+            "stream": True,
+        }
+        for i in range(n)
+    ]
+
+
+async def load(url: str, path: Path, concurrency: int) -> dict[str, Any]:
+    import aiohttp
+
+    payloads = [json.dumps(b).encode() for b in json.loads(path.read_text())]
+    warm, payloads = payloads[:concurrency], payloads[concurrency:]
+    total: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(body: bytes, record: bool) -> None:
+            nonlocal errors
+            started = time.perf_counter()
+            async with session.post(
+                url + "/v1/chat/completions",
+                data=body,
+                headers={"content-type": "application/json"},
+            ) as resp:
+                async for _ in resp.content.iter_any():
+                    pass
+                if resp.status != 200:
+                    errors += 1
+            if record:
+                total.append(time.perf_counter() - started)
+
+        await asyncio.gather(*(one(b, False) for b in warm))  # connections, caches
+        queue = list(reversed(payloads))
+
+        async def worker() -> None:
+            while queue:
+                await one(queue.pop(), True)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    ordered = sorted(total)
+    q = statistics.quantiles(ordered, n=100, method="inclusive")
+    return {
+        "rps": len(total) / elapsed,
+        "p50_ms": q[49] * 1e3,
+        "p99_ms": q[98] * 1e3,
+        "errors": errors,
+        "measured": len(total),
+    }
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its live children (the gateway's workers)."""
+    pids = [pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                pids.append(int(entry))
+    total = 0.0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def start(args: list[str], port: int, procs: list[subprocess.Popen[bytes]], log: Path) -> str:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ok(url + "/health", timeout=120, procs=[proc])
+    return url
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--concurrency", type=int, default=64, help="agent turns at once")
+    parser.add_argument(
+        "--stream-concurrency", type=int, default=512, help="streams at once (each ~0.5 s)"
+    )
+    parser.add_argument("--workloads", nargs="+", default=["agent", "stream"])
+    parser.add_argument("--loadgen", nargs=3, metavar=("URL", "BODIES", "CONCURRENCY"))
+    args = parser.parse_args()
+    if args.loadgen:
+        url, path, conc = args.loadgen
+        print(json.dumps(asyncio.run(load(url, Path(path), int(conc)))))
+        return 0
+
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory(prefix="gateway-workers-") as tmp:
+        tmpdir = Path(tmp)
+        try:
+            redis_port = free_port()
+            procs.append(start_redis(redis_port, tmpdir / "redis"))
+            redis_url = f"redis://127.0.0.1:{redis_port}"
+            port = free_port()
+            stub = start(
+                ["-m", "tests.support.stub_backend", "--port", str(port), "--model", MODEL,
+                 "--chunks", str(CHUNKS), "--chunk-interval-ms", str(CHUNK_INTERVAL_MS)],
+                port, procs, tmpdir / "stub.log",
+            )  # fmt: skip
+            gateways: dict[int, tuple[str, int]] = {}
+            for workers in args.workers:
+                port = free_port()
+                url = start(
+                    ["-m", "prefixgate", "gateway", "--port", str(port), "--replica", stub,
+                     "--redis-url", redis_url, "--tokenizer", MODEL, "--chat-template",
+                     str(TEMPLATE), "--workers", str(workers), "--log-level", "info"],
+                    port, procs, tmpdir / f"gateway-{workers}.log",
+                )  # fmt: skip
+                wait_http_ok(url + "/ready", timeout=60, procs=procs)
+                gateways[workers] = (url, procs[-1].pid)
+            files = {}
+            conc = {"agent": args.concurrency, "stream": args.stream_concurrency}
+            for workload in args.workloads:
+                files[workload] = tmpdir / f"{workload}.json"
+                n = args.requests + conc[workload]
+                files[workload].write_text(json.dumps(bodies(workload, n)))
+            print(
+                f"stub backend, Redis, gateways with --workers {args.workers}; "
+                f"{args.requests} requests per run after as many warm-up as run at once "
+                f"(agent {args.concurrency}, stream {args.stream_concurrency}); "
+                f"{os.cpu_count()} CPUs; "
+                f"load average {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+            order = list(gateways)
+            for round_ in range(args.rounds):
+                for workload in args.workloads:
+                    for k in range(len(order)):
+                        workers = order[(round_ + k) % len(order)]
+                        url, pid = gateways[workers]
+                        cpu = tree_cpu_seconds(pid)
+                        out = subprocess.run(
+                            [sys.executable, __file__, "--loadgen", url, str(files[workload]),
+                             str(conc[workload])],
+                            check=True, capture_output=True, text=True, cwd=ROOT,
+                        )  # fmt: skip
+                        cpu = tree_cpu_seconds(pid) - cpu
+                        r = json.loads(out.stdout.strip().splitlines()[-1])
+                        sent = r["measured"] + conc[workload]
+                        print(
+                            f"round {round_ + 1} {workload:<6} workers {workers}: "
+                            f"{r['rps']:7.1f} req/s  p50 {r['p50_ms']:7.1f} ms  "
+                            f"p99 {r['p99_ms']:7.1f} ms  errors {r['errors']}  "
+                            f"gateway CPU {cpu / sent * 1e3:.2f} ms/request "
+                            f"({cpu / (sent / r['rps']):.2f} cores while loaded)  "
+                            f"load {os.getloadavg()[0]:.1f}",
+                            flush=True,
+                        )
+        finally:
+            for proc in reversed(procs):
+                stop_process(proc, grace_s=10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
