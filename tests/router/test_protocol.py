@@ -201,6 +201,24 @@ def test_block_event_rejects_garbage() -> None:
         BlockEvent.decode({"seq": "1", "type": "moved", "keys": ""})
     with pytest.raises(ValueError, match="16-byte"):
         BlockEvent.decode({"seq": "1", "type": "removed", "keys": "ab" * 17})
+    # As Redis returns them (bytes), each departure is a ValueError the follower skips.
+    good = {b"seq": b"1", b"type": b"stored", b"keys": b"ab" * 16, b"parent": b"cd" * 16}
+    assert BlockEvent.decode(good).parent == bytes.fromhex("cd" * 16)
+    for field, value in [
+        (b"type", b"moved"),
+        (b"keys", b"zz" * 16),
+        (b"keys", b"ab" * 15 + b"a"),
+        (b"parent", b"cd" * 15),
+        (b"parent", b"not hex!" * 4),
+        (b"medium", b"disk"),
+        (b"seq", b"one"),
+        (b"keys", "é".encode() * 16),
+    ]:
+        with pytest.raises(ValueError):
+            BlockEvent.decode({**good, field: value})
+    with pytest.raises(ValueError, match="without a seq"):
+        BlockEvent.decode({k: v for k, v in good.items() if k != b"seq"})
+    assert BlockEvent.decode({**good, b"medium": b"host"}).medium == "host"
 
 
 @given(
