@@ -271,7 +271,7 @@ def with_cors(app: Any, origins: list[str]) -> Any:
     ``origins`` (unchanged when there are none). Outermost, so that a preflight (no
     Authorization header) is answered before any check, and errors carry the headers
     too, or a browser hides them from the page. A request without an Origin header (any
-    client but a browser) passes straight through."""
+    client but a browser) is served as it is; its answer gains only ``Vary: Origin``."""
     if not origins:
         return app
     from starlette.middleware.cors import CORSMiddleware
