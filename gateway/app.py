@@ -63,7 +63,7 @@ from gateway.tenant_caps import TenantCaps
 from gateway.tenant_rates import TenantRates
 from gateway.tokens_api import TOKENS_API_PATHS, serve_tokens_api
 from gateway.upstream import Upstream
-from gateway.workers import every_workers_metrics
+from gateway.workers import MergedMetrics
 from prefixgate.tls import TLSFiles
 from prefixgate.wire import OpenAIError, error_body
 from router.protocol import redacted_url
@@ -155,6 +155,11 @@ def create_app(
         tenant_caps=TenantCaps(config.redis_url, caps=auth.caps),
         tenant_rates=TenantRates(config.redis_url, limits=auth.rates),
         keys_file=keys_file,
+        merged_metrics=(
+            MergedMetrics(config.worker, config.worker_ports, tls=config.serves_tls)
+            if config.worker is not None
+            else None
+        ),
     )
     state.keys.roots = state.tokenizer_roots  # what its replicas say a model was started from
     app = FastAPI(title="prefixgate gateway", lifespan=_lifespan, docs_url=None, redoc_url=None)
@@ -236,6 +241,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.tenant_rates.aclose()
         await state.client.aclose()
         await state.upstream.aclose()
+        if state.merged_metrics is not None:
+            await state.merged_metrics.aclose()
 
 
 async def watch_keys(state: GatewayState, keys_file: KeysFile) -> None:
@@ -315,14 +322,13 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
-        own = state.metrics.render()
         config = state.config
-        if config.worker is not None and not _on_own_port(request, config):
+        if state.merged_metrics is not None and not _on_own_port(request, config):
             # One of --workers, asked on the shared address: every worker's series.
-            own = await every_workers_metrics(
-                own, config.worker, config.worker_ports, tls=config.serves_tls
-            )
-        return Response(own, media_type="text/plain; version=0.0.4")
+            body = await state.merged_metrics.get(state.metrics.render)
+        else:
+            body = state.metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/router/stats")
     async def router_stats(request: Request) -> Response:

@@ -24,6 +24,7 @@ from gateway.sagemaker_sessions import Sessions
 from gateway.tenant_caps import TenantCaps
 from gateway.tenant_rates import TenantRates
 from gateway.upstream import Upstream
+from gateway.workers import MergedMetrics
 from prefixgate.tls import TLSFiles
 from router.router import ReplicaView, Router
 
@@ -67,6 +68,8 @@ class GatewayState:
     sessions: Sessions | None = None
     # the --api-keys file, watched for changes (gateway/app.py watch_keys); None: open mode
     keys_file: KeysFile | None = None
+    # under --workers: every worker's /metrics merged (gateway/workers.py); None: one process
+    merged_metrics: MergedMetrics | None = None
 
     def upstream_authorization(self, headers: dict[str, str]) -> str | None:
         """The Authorization sent upstream: the gateway's --upstream-api-key; else, in open

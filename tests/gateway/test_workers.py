@@ -7,6 +7,7 @@ Which worker a connection reached is read from ``/router/stats`` on that connect
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.workers import WorkerSpec, merged_metrics
+from gateway.workers import MergedMetrics, WorkerSpec, merged_metrics
 from prefixgate import up
 from prefixgate.procs import free_port
 from tests.conftest import RedisServer, wait_until
@@ -131,10 +132,15 @@ def test_connections_reach_both_workers_and_metrics_count_every_request(
             assert reply.choices[0].message.content is not None
             sent += 1
     assert seen == {0, 1}
-    text = httpx.get(cluster.url + "/metrics").text
+
+    def counted() -> str | None:  # a merge is reused for a second (MergedMetrics)
+        text = httpx.get(cluster.url + "/metrics").text
+        return text if sum(chat_requests(text).values()) - sum(before.values()) == sent else None
+
+    text = wait_until(counted, what=f"{sent} chat requests counted")
+    assert text is not None
     after = chat_requests(text)
     assert set(after) == {"0", "1"}, text[:2000]
-    assert sum(after.values()) - sum(before.values()) == sent
     # Each family once, whichever worker answered the scrape.
     assert text.count("# TYPE prefixgate_gateway_requests_total counter") == 1
 
@@ -265,6 +271,32 @@ def test_merged_metrics_label_each_workers_series() -> None:
     assert 'x_total{k="a",worker="1"} 3.0' in text
     assert 'g{worker="0"} 1.0' in text
     assert text.count("# TYPE x_total counter") == 1
+
+
+def test_a_merge_is_reused_for_a_second_and_a_silent_worker_left_out() -> None:
+    """``/metrics`` needs no key: a client asking in a loop gets one merge a second, not
+    a round of asks to every worker each time."""
+    now = [0.0]
+    renders = []
+
+    def own() -> bytes:
+        renders.append(now[0])
+        return b"# HELP x_total things\n# TYPE x_total counter\nx_total 1.0\n"
+
+    async def scenario() -> None:
+        # Worker 1's port answers nothing (a worker being restarted): left out.
+        merged = MergedMetrics(0, (free_port(), free_port()), tls=False, clock=lambda: now[0])
+        try:
+            first = await merged.get(own)
+            assert b'x_total{worker="0"} 1.0' in first and b'worker="1"' not in first
+            assert await merged.get(own) == first and renders == [0.0]
+            now[0] = 1.5
+            await merged.get(own)
+            assert renders == [0.0, 1.5] and merged.merges == 2
+        finally:
+            await merged.aclose()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 def test_worker_spec_round_trip_and_up_passes_workers() -> None:
