@@ -98,7 +98,7 @@ async def _serve_sagemaker(
             f"{method} {path}: Method Not Allowed", status=405, headers={"Allow": "DELETE"}
         )
     tenant = state.auth.authenticate_request(headers)
-    ex.tenant = tenant.name
+    ex.admit(tenant)
     _admin_only(state, tenant)
     unloaded = json.dumps({"lora_name": name}).encode()
     await _fan_out(state, headers, send, ex, "/v1/unload_lora_adapter", unloaded, name,

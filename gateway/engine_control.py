@@ -73,7 +73,7 @@ async def _serve(
             f"{scope['method']} {path}: Method Not Allowed", status=405, headers={"Allow": method}
         )
     tenant = state.auth.authenticate_request(headers)
-    ex.tenant = tenant.name
+    ex.admit(tenant)
     if not (state.auth.open or tenant.admin):
         raise OpenAIError(
             f"{path} stops or starts every tenant's traffic: an admin key's to send",

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.auth import OPEN_TENANT, Tenant
 from gateway.metrics import GatewayMetrics
 
 access_log = logging.getLogger("prefixgate.gateway.access")
@@ -38,6 +39,16 @@ class Exchange:
     retries: int = 0
     responded: bool = False  # the response head went out
     finished: bool = False
+    route_detail: bool = False  # the route header states the decision's figures (admit)
+
+    def admit(self, tenant: Tenant) -> None:
+        """The request is ``tenant``'s. A tenant of a keyed gateway that is no admin sees
+        how its request was routed (the replica, the kind of decision, its matched
+        blocks), not the decision's figures: they state every replica's queue and
+        requests in flight, which is the other tenants' traffic, as ``/router/stats``
+        (admin keys only) would show it."""
+        self.tenant = tenant.name
+        self.route_detail = tenant is OPEN_TENANT or tenant.admin
 
     def set_decision(self, replica_id: str, decision: Any) -> None:
         self.replica = replica_id
@@ -48,8 +59,11 @@ class Exchange:
     def raw_headers(self) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-request-id", self.request_id.encode("latin-1"))]
         if self.replica is not None:
+            reason = str(self.reason)
+            if not self.route_detail:  # "prefix_match cost: r2 predicted 41 ms (...), ..."
+                reason = reason.split(":", 1)[0]
             route = (
-                f"{self.reason}; matched={self.matched_blocks}/{self.total_blocks}"
+                f"{reason}; matched={self.matched_blocks}/{self.total_blocks}"
                 f"; retries={self.retries}"
             )
             headers.append((b"x-prefixgate-replica", self.replica.encode("latin-1")))

@@ -134,7 +134,7 @@ async def read_post(
     method, a 401 for a bad key, a 413 for a body too large."""
     post_only(scope)
     tenant = state.auth.authenticate_request(headers)
-    ex.tenant = tenant.name
+    ex.admit(tenant)
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     return tenant, raw
 
@@ -296,7 +296,7 @@ async def _serve(
     path: str,
 ) -> None:
     tenant = state.auth.authenticate_request(headers)
-    ex.tenant = tenant.name
+    ex.admit(tenant)
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     body = load_json_object(raw)  # 400 for deep nesting and lone surrogates too
     await serve_body(state, tenant, headers, raw, body, receive, send, ex, schema, path)

@@ -65,7 +65,7 @@ async def _serve(
     post_only(scope)
     read_x_api_key(headers)
     tenant = state.auth.authenticate_request(headers)
-    ex.tenant = tenant.name
+    ex.admit(tenant)
     refuse_salted(state, tenant, f"{PATH} (the Messages API)")
     raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
     body = load_json_object(raw)

@@ -120,7 +120,7 @@ async def _serve(
         )
     read_x_api_key(headers)
     tenant = state.auth.authenticate_request(headers)
-    ex.tenant = tenant.name
+    ex.admit(tenant)
     body: dict[str, Any] = {}
     raw = b""
     if method == "POST":

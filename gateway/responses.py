@@ -111,7 +111,7 @@ async def _request(
             f"{method} {path}: Method Not Allowed", status=405, headers={"Allow": allowed}
         )
     tenant = state.auth.authenticate_request(headers)
-    ex.tenant = tenant.name
+    ex.admit(tenant)
     if path == PREFIX:
         raw = await read_body(receive, headers.get("content-length"), state.config.max_body_bytes)
         return await _create(state, headers, raw, ex, tenant)

@@ -4,10 +4,12 @@ must be application/json (a browser's cross-site simple request is refused)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.gateway.conftest import Server, start_gateway, start_stub, write_api_keys
@@ -103,3 +105,36 @@ def test_json_with_parameters_is_served(keyed: Keyed) -> None:
     raw = b'{"model": "stub-model", "prompt": "hello", "max_tokens": 1}'
     headers = {**_auth("sk-alpha"), "content-type": "application/json; charset=utf-8"}
     assert httpx.post(keyed.gw.url + "/v1/completions", content=raw, headers=headers).is_success
+
+
+def test_a_tenant_sees_how_it_was_routed_not_the_clusters_load(tmp_path: Path) -> None:
+    """The route header's figures (every replica's predicted wait, queue and requests in
+    flight) are the other tenants' traffic, as ``/router/stats`` shows it: a keyed
+    gateway gives them to admin keys only. A tenant still sees its replica, the kind of
+    decision and its matched blocks; an open gateway shows everything, as before."""
+    stubs = [start_stub(tmp_path, f"stub-{i}", "--model", MODEL) for i in range(2)]
+    keys = str(write_api_keys(tmp_path / "keys.json"))
+    urls = [s.url for s in stubs]
+    gateways = [start_gateway(tmp_path, "open", urls)]
+    try:
+        gateways.append(start_gateway(tmp_path, "keyed", urls, "--api-keys", keys))
+        open_gw, keyed_gw = gateways
+        seen = {}
+        for name, url, key in (
+            ("tenant", keyed_gw.url, "sk-alpha"),
+            ("admin", keyed_gw.url, "sk-ops"),
+            ("open", open_gw.url, "unused"),
+        ):
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=1
+            )
+            assert raw.headers["x-prefixgate-replica"] in {u.removeprefix("http://") for u in urls}
+            seen[name] = raw.headers["x-prefixgate-route"]
+        assert re.fullmatch(r"[a-z_]+ [a-z]+; matched=\d+/\d+; retries=0", seen["tenant"])
+        for name in ("admin", "open"):  # both replicas' predictions
+            assert seen[name].count("predicted") == 2, seen[name]
+            assert seen[name].split(":", 1)[0] == seen["tenant"].split(";", 1)[0]
+    finally:
+        for server in [*gateways, *stubs]:
+            server.stop()
