@@ -171,8 +171,10 @@ class FakeEngine:
         send: bool = True,
         replayable: bool = True,
         medium: str | None = "GPU",
+        into: list[Any] | None = None,
     ) -> list[Any]:
-        """Cache the full blocks of a prompt; emits one BlockStored for the new ones.
+        """Cache the full blocks of a prompt; emits one BlockStored for the new ones
+        (appends it to ``into`` instead: a batch of several events, ``publish``).
         Returns every block's engine hash."""
         B = self.block_size
         hashes: list[Any] = []
@@ -203,7 +205,11 @@ class FakeEngine:
             "lora_name": lora_name,
             "extra_keys": extra,
         }
-        self.publish([self._event("BlockStored", fields)], send=send, replayable=replayable)
+        event = self._event("BlockStored", fields)
+        if into is not None:
+            into.append(event)
+        else:
+            self.publish([event], send=send, replayable=replayable)
         return hashes
 
     def offload(self, tokens: list[int], *, medium: str = "CPU", bare: bool = False) -> list[Any]:
@@ -237,12 +243,17 @@ class FakeEngine:
         send: bool = True,
         replayable: bool = True,
         medium: str = "GPU",
+        into: list[Any] | None = None,
     ) -> None:
+        """Evict blocks: one BlockRemoved (appended to ``into`` instead, as ``store``)."""
         if medium == "GPU":
             for h in hashes:
                 self.cached.pop(h, None)
-        fields = {"block_hashes": hashes, "medium": medium}
-        self.publish([self._event("BlockRemoved", fields)], send=send, replayable=replayable)
+        event = self._event("BlockRemoved", {"block_hashes": hashes, "medium": medium})
+        if into is not None:
+            into.append(event)
+        else:
+            self.publish([event], send=send, replayable=replayable)
 
     def clear(self) -> None:
         self.cached.clear()

@@ -14,6 +14,7 @@ import pytest
 
 from bridge.service import Bridge, BridgeConfig
 from bridge.translate import KeyTranslator
+from router.protocol import events_stream_key
 from router.router import Router
 from router.sync import RedisSync
 from tests.bridge.cluster import Cluster, keys, make_engine, tokens
@@ -349,3 +350,48 @@ async def test_a_burst_filling_half_the_stream_refreshes_the_snapshot(cluster_fa
     await wait_until_async(
         lambda: writer.stats.snapshots_written > written, 10, "a snapshot before the period"
     )
+
+
+async def test_a_batchs_one_block_removals_are_one_event_and_every_key_lands(
+    cluster_factory: Any, redis_server: RedisServer
+) -> None:
+    """vLLM reports each evicted block as its own event, between the stores of the blocks
+    that took their place. The bridge writes the batch's removals as one event (each
+    entry costs every gateway about 5 µs to follow); a key removed and stored again in
+    the batch, and one stored and then removed, end as the engine left them."""
+    import redis
+
+    c = await cluster_factory(16)
+    old = tokens(128, 20)  # 8 blocks
+    kept = tokens(64, 21)  # 4 blocks
+    old_hashes = c.engine.store(old)
+    kept_hashes = c.engine.store(kept)
+    await c.wait_matched(keys(old))
+    await c.wait_matched(keys(kept))
+    stream = events_stream_key(c.rid)
+    client = redis.Redis.from_url(redis_server.url)
+    before: Any = client.xlen(stream)
+    events: list[Any] = []
+    new = [tokens(16, 30 + i) for i in range(4)]
+    for i, ids in enumerate(new):  # an eviction, then the block filled in its place
+        c.engine.drop([old_hashes[7 - i]], into=events)
+        c.engine.store(ids, into=events)
+    c.engine.drop([kept_hashes[3]], into=events)  # removed, then stored again
+    c.engine.store(kept, into=events)
+    brief = tokens(32, 40)
+    brief_hashes = c.engine.store(brief, into=events)  # stored, then removed
+    c.engine.drop(brief_hashes, into=events)
+    c.engine.publish(events)
+    await wait_until_async(lambda: not c.holds_any(keys(old)[4:]), 10, "evicted keys gone")
+    for ids in new:
+        await c.wait_matched(keys(ids))
+    assert c.matched(keys(old)) == 4 and c.matched(keys(kept)) == 4
+    assert not c.holds_any(keys(brief))
+    entries: Any = client.xrange(stream)
+    # The batch's entries (the stream is not trimmed here).
+    kinds = [fields[b"type"].decode() for _, fields in entries[before:]]
+    # 12 engine events, 8 entries: the 4 new blocks' stores; the 5 removals so far as one
+    # event, before the store of a key among them (kept's last block); that store; the
+    # brief chain's store; and its removal, as one event when the batch ends.
+    assert kinds == ["stored"] * 4 + ["removed", "stored", "stored", "removed"], kinds
+    c.bridge.translator.check_invariants()  # type: ignore[union-attr]
