@@ -62,6 +62,7 @@ class Stack:
         redis_port = free_port()
         self.procs.append(start_redis(redis_port, workdir / "redis"))
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        self.redis_url = redis_url
         for i, (url, events, replay) in enumerate(engines):
             cmd = [sys.executable, "-m", "prefixgate", "bridge", "--engine-url", url]
             cmd += ["--kv-events", f"tcp://127.0.0.1:{events}"]
