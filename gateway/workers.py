@@ -14,8 +14,9 @@ blocks, routing hints, response ids, tenant caps and rates), each with its own g
 id, so ``--workers`` needs ``--redis-url``, exactly as several gateways do.
 
 The parent restarts a worker that dies once it has served (the others go on accepting on
-the shared socket meanwhile), stops every worker and exits when one dies before it
-answered ``/health`` (restarting would fail the same way) or when they keep dying.
+the shared socket meanwhile), after a wait that doubles while it keeps dying (up to 30
+s), and stops every worker and exits when one dies before it ever answered ``/health``
+(a bad flag or file: restarting would fail the same way).
 SIGTERM, SIGINT or SIGHUP to the parent sends each worker one SIGTERM (a second signal:
 SIGKILL). Workers die with the parent on Linux (``PR_SET_PDEATHSIG``), so a killed
 parent leaves no process serving alone.
@@ -50,10 +51,13 @@ log = logging.getLogger("prefixgate.gateway")
 # Set by the parent for each worker: "INDEX;PUBLIC_FD,...;PRIVATE_FD;PORT,PORT,..." (the
 # loopback ports of every worker, by index).
 WORKER_ENV = "PREFIXGATE_GATEWAY_WORKER"
-# Workers that keep dying are not restarted for ever: past this many restarts within the
-# window the parent stops (a supervisor above it, systemd or Kubernetes, then decides).
-MAX_RESTARTS = 5
+# A worker that keeps dying (a request that crashes it, sent again and again) is restarted
+# after a wait that doubles with each death within the window, up to the cap: the other
+# workers go on serving meanwhile. Stopping the gateway instead would let one client take
+# every worker down.
 RESTART_WINDOW_S = 60.0
+FIRST_BACKOFF_S = 0.5  # the second death in the window; the first restarts at once
+MAX_BACKOFF_S = 30.0
 BACKLOG = 2048  # uvicorn's default
 _POLL_S = 0.2  # how often the parent looks at its workers
 
@@ -152,10 +156,13 @@ class Supervisor:
         self.ports = tuple(s.getsockname()[1] for s in self.private)
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * workers
         self.up = [False] * workers  # answered /health since it was last started
-        self.restarts: list[float] = []  # when workers were restarted, for the limit
+        self.served = [False] * workers  # answered /health once, in any of its lives
+        self.deaths: list[list[float]] = [[] for _ in range(workers)]  # within the window
+        self.due: dict[int, float] = {}  # worker -> when it is restarted
         self.stopping = False
         self.exit_code = 0
         self.tls = tls
+        self.clock = time.monotonic
 
     def spec(self, index: int) -> WorkerSpec:
         return WorkerSpec(
@@ -206,15 +213,21 @@ class Supervisor:
             ", ".join(_address(s) for s in self.public),
         )
         try:
-            while any(p is not None for p in self.procs):
+            while not (self.stopping and all(p is None for p in self.procs)):
                 time.sleep(_POLL_S)
+                if self.stopping:
+                    self.due.clear()
+                for index, at in list(self.due.items()):
+                    if at <= self.clock():
+                        del self.due[index]
+                        self.spawn(index)
                 for index, proc in enumerate(self.procs):
                     if proc is None:
                         continue
                     if proc.poll() is not None:
                         self._exited(index, proc.returncode)
                     elif not self.up[index] and self._answers(index):
-                        self.up[index] = True
+                        self.up[index] = self.served[index] = True
         finally:
             for sock in (*self.public, *self.private):
                 sock.close()
@@ -242,22 +255,28 @@ class Supervisor:
         if self.stopping:
             self.exit_code = self.exit_code or (code if code > 0 else 0)
             return
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
-        why = None
-        if not self.up[index]:
-            why = "before it served (a restart would fail the same way)"
-        elif len(self.restarts) >= MAX_RESTARTS:
-            why = f"the {MAX_RESTARTS + 1}th exit in {RESTART_WINDOW_S:.0f} s"
-        if why is not None:
-            log.error("gateway worker %d exited (status %d) %s: stopping", index, code, why)
+        if not self.served[index]:
+            log.error(
+                "gateway worker %d exited (status %d) before it served (a restart would "
+                "fail the same way): stopping",
+                index,
+                code,
+            )
             self.exit_code = 1
             self.stopping = True
             self.signal_all(signal.SIGTERM)
             return
-        log.error("gateway worker %d exited (status %d): restarting it", index, code)
-        self.restarts.append(now)
-        self.spawn(index)
+        now = self.clock()
+        deaths = [t for t in self.deaths[index] if now - t < RESTART_WINDOW_S] + [now]
+        self.deaths[index] = deaths
+        wait = (
+            0.0
+            if len(deaths) == 1
+            else min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(deaths) - 2))
+        )
+        when = f" in {wait:g} s ({len(deaths)} exits in {RESTART_WINDOW_S:g} s)" if wait else ""
+        log.error("gateway worker %d exited (status %d): restarting it%s", index, code, when)
+        self.due[index] = now + wait
 
 
 def _address(sock: socket.socket) -> str:

@@ -24,7 +24,13 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.workers import MergedMetrics, WorkerSpec, merged_metrics
+from gateway.workers import (
+    MergedMetrics,
+    Supervisor,
+    WorkerSpec,
+    bind_loopback,
+    merged_metrics,
+)
 from prefixgate import up
 from prefixgate.procs import free_port
 from tests.conftest import RedisServer, wait_until
@@ -258,6 +264,31 @@ def test_a_worker_that_cannot_start_stops_the_gateway(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "before it served" in out.stdout + out.stderr
     assert "restarting it" not in out.stdout + out.stderr
+
+
+def test_a_worker_that_keeps_dying_waits_longer_and_the_gateway_goes_on() -> None:
+    """A request that crashes a worker, sent again and again, must not take the gateway
+    down: the worker is restarted after a wait that doubles (the others serve); a worker
+    that never served (its first start failed) stops the gateway."""
+    public = [bind_loopback()]
+    supervisor = Supervisor([], 2, public, tls=False)
+    now = [100.0]
+    supervisor.clock = lambda: now[0]
+    supervisor.served[0] = True
+    waits = []
+    for _ in range(9):
+        supervisor._exited(0, -11)
+        waits.append(supervisor.due.pop(0) - now[0])
+        now[0] += 1.0
+    assert waits == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert not supervisor.stopping
+    now[0] += 120.0  # a quiet minute: the next death restarts at once again
+    supervisor._exited(0, -11)
+    assert supervisor.due.pop(0) == now[0]
+    supervisor._exited(1, 1)  # worker 1 never served
+    assert supervisor.stopping and supervisor.exit_code == 1
+    for sock in (*public, *supervisor.private):
+        sock.close()
 
 
 def test_merged_metrics_label_each_workers_series() -> None:
