@@ -297,7 +297,12 @@ def merged_metrics(texts: Iterable[tuple[int, str]]) -> bytes:
     families: dict[str, Metric] = {}
     for index, text in texts:
         worker = str(index)
-        for family in text_string_to_metric_families(text):
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError as exc:  # never seen: left out, as a worker that did not answer
+            log.warning("gateway worker %d's metrics do not parse (%s): left out", index, exc)
+            continue
+        for family in parsed:
             merged = families.get(family.name)
             if merged is None:
                 merged = Metric(family.name, family.documentation, family.type, family.unit)

@@ -302,6 +302,8 @@ def test_merged_metrics_label_each_workers_series() -> None:
     assert 'x_total{k="a",worker="1"} 3.0' in text
     assert 'g{worker="0"} 1.0' in text
     assert text.count("# TYPE x_total counter") == 1
+    # A text that does not parse is left out, not a failed scrape.
+    assert merged_metrics([(0, a), (1, "x_total{k=")]).decode().count("worker=") == 2
 
 
 def test_a_merge_is_reused_for_a_second_and_a_silent_worker_left_out() -> None:
