@@ -35,31 +35,10 @@ from prefixgate import up
 from prefixgate.procs import free_port
 from tests.conftest import RedisServer, wait_until
 from tests.gateway.conftest import Server, start_gateway, start_replica, start_stub
+from tests.support.proc_tree import alive, children
 
 MODEL = "tiny-random"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry))
-    return sorted(found)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def worker_of(client: openai.DefaultHttpxClient, url: str) -> int:
