@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from gateway.workers import (
     merged_metrics,
 )
 from prefixgate import up
-from prefixgate.procs import free_port
+from prefixgate.procs import free_port, stop_process
 from tests.conftest import RedisServer, wait_until
 from tests.gateway.conftest import Server, start_gateway, start_replica, start_stub
 from tests.support.proc_tree import alive, children
@@ -318,3 +319,53 @@ def test_worker_spec_round_trip_and_up_passes_workers() -> None:
     command = up.gateway_command(args, [], "redis://x")
     assert command[command.index("--workers") + 1] == "3"
     assert "--workers" not in up.gateway_command(up.parse_args([]), [], "redis://x")
+
+
+def test_workers_behind_tls_serve_and_merge_their_metrics(
+    tmp_path: Path, module_redis: RedisServer
+) -> None:
+    """HTTPS (vLLM's ``--ssl-certfile``): the parent sees its workers up on their own
+    loopback ports, and ``/metrics`` merges every worker's series over TLS too."""
+    from tests.support.certs import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    stub = start_stub(tmp_path, "stub")
+    port = free_port()
+    args = [sys.executable, "-m", "prefixgate", "gateway", "--port", str(port)]
+    args += ["--replica", stub.url, "--redis-url", module_redis.url, "--workers", "2"]
+    args += ["--ssl-certfile", certs.server_cert, "--ssl-keyfile", certs.server_key]
+    log = tmp_path / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        context = ssl.create_default_context(cafile=certs.ca)
+        with openai.DefaultHttpxClient(verify=context, timeout=10) as http:
+
+            def ready() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    return http.get(url + "/ready").status_code == 200
+                except httpx2.HTTPError:
+                    return False
+
+            wait_until(ready, timeout_s=60, what="the TLS gateway ready")
+            client = openai.OpenAI(
+                base_url=url + "/v1", api_key="unused", http_client=http, max_retries=0
+            )
+            reply = client.chat.completions.create(
+                model="stub-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
+            assert reply.choices
+            wait_until(
+                lambda: (
+                    'worker="1"' in (text := http.get(url + "/metrics").text)
+                    and 'worker="0"' in text
+                ),
+                timeout_s=30,
+                what="both workers' series over TLS",
+            )
+        assert "before it served" not in log.read_text()
+    finally:
+        stop_process(proc, grace_s=10)
+        stub.stop()
