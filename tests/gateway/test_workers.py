@@ -178,13 +178,15 @@ def test_a_killed_worker_is_restarted_and_the_port_keeps_serving(cluster: Server
 
     now = wait_until(replaced, timeout_s=30, what="the killed worker replaced")
     assert now is not None and workers[1] in now
-    wait_until(
-        lambda: (
-            {worker_of(h, cluster.url) for h in [one_connection() for _ in range(20)]} == {0, 1}
-        ),
-        timeout_s=30,
-        what="both workers answering again",
-    )
+
+    def both_answer() -> bool:
+        seen = set()
+        for _ in range(20):
+            with one_connection() as http:
+                seen.add(worker_of(http, cluster.url))
+        return seen == {0, 1}
+
+    wait_until(both_answer, timeout_s=30, what="both workers answering again")
     assert "exited (status -9): restarting it" in cluster.log_text()
 
 
