@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from agents_bench import TEMPLATE, tools  # noqa: E402
+from agents_bench import TEMPLATE, start, tools  # noqa: E402
 
 from prefixgate.procs import free_port, start_redis, stop_process, wait_http_ok  # noqa: E402
 
@@ -138,18 +138,6 @@ def tree_cpu_seconds(pid: int) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
-
-
-def start(args: list[str], port: int, procs: list[subprocess.Popen[bytes]], log: Path) -> str:
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    procs.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    wait_http_ok(url + "/health", timeout=120, procs=[proc])
-    return url
 
 
 def main() -> int:

@@ -136,21 +136,18 @@ def test_a_worker_routes_by_what_the_other_placed(cluster: Server) -> None:
     worker 1 goes there, by blocks both learned through Redis."""
     prompt = f"A shared document about prefix caches, {time.time()}. " + "Caches hold. " * 60
     messages: list[Any] = [{"role": "user", "content": prompt}]
-    with closing(connection_to(cluster.url, 0)) as first:
-        client = openai.OpenAI(
-            base_url=cluster.url + "/v1", api_key="unused", http_client=first, max_retries=0
-        )
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, max_tokens=1
-        )
-        holder = raw.headers["x-prefixgate-replica"]
-    with closing(connection_to(cluster.url, 1)) as second:
-        client = openai.OpenAI(
-            base_url=cluster.url + "/v1", api_key="unused", http_client=second, max_retries=0
-        )
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, max_tokens=1
-        )
+
+    def through(index: int) -> Any:
+        with closing(connection_to(cluster.url, index)) as http:
+            client = openai.OpenAI(
+                base_url=cluster.url + "/v1", api_key="unused", http_client=http, max_retries=0
+            )
+            return client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=1
+            )
+
+    holder = through(0).headers["x-prefixgate-replica"]
+    raw = through(1)
     route = raw.headers["x-prefixgate-route"]
     assert raw.headers["x-prefixgate-replica"] == holder, route
     matched, blocks = map(int, route.rsplit("matched=", 1)[1].split(";")[0].split("/"))
