@@ -124,6 +124,9 @@ class Connection(asyncio.Protocol):
             self._wake()
         elif not self.complete:
             self._fail(UpstreamError("RemoteProtocolError" if exc is None else "ReadError"))
+        # The parser holds this connection (its callbacks), which holds the parser: a
+        # cycle only the garbage collector would free. Nothing arrives after the loss.
+        del self.parser
 
     # --------------------------------------------------------------- httptools callbacks
 
@@ -232,6 +235,13 @@ class Connection(asyncio.Protocol):
         self._fail(UpstreamError(READ_TIMEOUT))
         self.abort()
 
+    def failure(self) -> UpstreamError:
+        """An exception to raise for the connection's failure (``error``): a new one,
+        since raising the kept one would give it a traceback whose frames hold this
+        connection, a reference cycle per failed answer."""
+        assert self.error is not None
+        return UpstreamError(self.error.kind)
+
     def _fail(self, error: UpstreamError) -> None:
         if self.error is None:
             self.error = error
@@ -277,7 +287,7 @@ class Response:
             elif conn.complete:
                 return
             elif conn.error is not None:
-                raise conn.error
+                raise conn.failure()
             else:
                 await conn.wait()
 

@@ -102,7 +102,7 @@ class Upstream:
             while not conn.head_done and conn.error is None:
                 await conn.wait()
             if conn.error is not None:
-                raise conn.error
+                raise conn.failure()
         except BaseException:  # failed or cancelled: the replica sees the connection go
             if conn is not None:
                 conn.abort()
