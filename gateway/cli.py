@@ -419,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             **tls,
         ),
         handshake_timeout_s=limits.header_timeout_s,
+        settle_heap=True,
     )
     server.run(sockets=spec.sockets() if spec is not None else None)
     if not server.started:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -74,6 +74,9 @@ class GatewayMetrics:
     def __init__(self, replicas: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The process's garbage collections by generation (python_gc_*, as vLLM's
+        # /metrics has them): rare once the heap is settled (prefixgate/gc_heap.py).
+        GCCollector(registry=r)
         self.requests = Counter(
             "prefixgate_gateway_requests",
             "requests answered, by endpoint, status and replica",

@@ -2,6 +2,8 @@
 
 * Its TLS files are reloaded when they change (``prefixgate.tls.TLSFiles``): a
   certificate rotated on disk is served without a restart.
+* ``settle_heap``: once serving, the garbage collector is set for a server's heap
+  (``prefixgate.gc_heap``; the gateway's).
 * A client must finish its TLS handshake within ``handshake_timeout_s`` (the HTTP
   guard's header timeout), as it must send its request head in time. uvicorn leaves the
   event loop's default of 60 s, and the guard only sees a connection once its handshake
@@ -15,21 +17,42 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import socket
 
 import uvicorn
 
+from prefixgate import gc_heap
 from prefixgate.tls import TLSFiles
+
+log = logging.getLogger("prefixgate.serve")
 
 
 class Server(uvicorn.Server):
     _tls_watch: asyncio.Task[None] | None = None
 
-    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        handshake_timeout_s: float = 10.0,
+        settle_heap: bool = False,
+    ) -> None:
         super().__init__(config)
         self.handshake_timeout_s = handshake_timeout_s
+        self.settle_heap = settle_heap
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await self._start(sockets)  # the app's lifespan start-up, then the listeners
+        if self.settle_heap and self.started:
+            frozen = gc_heap.settle()
+            log.info(
+                "garbage collector: %d start-up objects frozen, youngest generation "
+                "collected after %d",
+                frozen,
+                gc_heap.GEN0_THRESHOLD,
+            )
+
+    async def _start(self, sockets: list[socket.socket] | None) -> None:
         config = self.config  # loaded by uvicorn's serve() before this
         context = getattr(config, "ssl", None)  # set by Config.load() when serving HTTPS
         if context is None:
