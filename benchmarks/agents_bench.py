@@ -99,11 +99,14 @@ def start(
     procs: list[subprocess.Popen[bytes]],
     log: Path,
     cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
 ) -> str:
+    """``python ARGS`` in ``cwd`` (its source tree), ``env`` added to this process's
+    environment; returns its URL once ``/health`` answers."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, env={**os.environ, **(env or {})},
         )  # fmt: skip
     procs.append(proc)
     url = f"http://127.0.0.1:{port}"

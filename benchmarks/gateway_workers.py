@@ -16,6 +16,12 @@ Workloads (the work a gateway does per request, not the engine's):
   turn is), the question different every time, answered whole;
 * ``stream``: a short chat answered as 100 streamed chunks 5 ms apart (an engine's
   decode steps), each relayed by the gateway.
+
+``--tree NAME=PATH`` (repeatable): gateways of other source trees too (``git worktree
+add /tmp/before REV``), in the same rotation; by default this tree only.
+``--gc-probe``: each gateway process records its garbage collections (``gc.callbacks``,
+through a ``sitecustomize`` put on its ``PYTHONPATH``, so any tree's gateway can be
+probed): per workload, the collections, their time per request and the longest.
 """
 
 from __future__ import annotations
@@ -117,8 +123,69 @@ async def load(url: str, path: Path, concurrency: int) -> dict[str, Any]:
     }
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its live children (the gateway's workers)."""
+# Put on a gateway's PYTHONPATH as sitecustomize.py by --gc-probe: collections and their
+# wall time, summed per process, and each pause of 1 ms or more with its end (wall
+# clock), written to PREFIXGATE_GC_PROBE-PID.json every half second (the benchmark reads
+# them between workloads).
+GC_PROBE = """
+import os
+if os.environ.get("PREFIXGATE_GC_PROBE"):
+    import gc, json, threading, time
+    _out = os.environ["PREFIXGATE_GC_PROBE"] + f"-{os.getpid()}.json"
+    _stats = {"collections": 0, "seconds": 0.0, "pauses": []}
+    _start = [0.0]
+    def _callback(phase, info):
+        if phase == "start":
+            _start[0] = time.perf_counter()
+            return
+        took = time.perf_counter() - _start[0]
+        _stats["collections"] += 1
+        _stats["seconds"] += took
+        if took >= 0.001:
+            _stats["pauses"].append((time.time(), took))
+    gc.callbacks.append(_callback)
+    def _write():
+        while True:
+            time.sleep(0.5)
+            with open(_out + ".tmp", "w") as f:
+                json.dump(_stats, f)
+            os.replace(_out + ".tmp", _out)
+    threading.Thread(target=_write, daemon=True).start()
+"""
+
+
+def gc_totals(prefix: Path, pids: list[int], since: float = 0.0) -> dict[str, Any]:
+    """The probe's figures summed over ``pids`` (zeros for a process not written yet),
+    and the longest pause that ended after ``since``."""
+    total: dict[str, Any] = {"collections": 0, "seconds": 0.0, "longest": 0.0}
+    for pid in pids:
+        try:
+            stats = json.loads(Path(f"{prefix}-{pid}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        total["collections"] += stats["collections"]
+        total["seconds"] += stats["seconds"]
+        late = [took for end, took in stats["pauses"] if end > since]
+        total["longest"] = max([total["longest"], *late])
+    return total
+
+
+def fresh_gc_totals(prefix: Path, pids: list[int], since: float) -> dict[str, Any]:
+    """``gc_totals(prefix, pids, since)`` once every process's file was written after
+    this call."""
+    now = time.time()
+    deadline = time.monotonic() + 10
+    for pid in pids:
+        path = Path(f"{prefix}-{pid}.json")
+        while not (path.exists() and path.stat().st_mtime > now):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} not written within 10 s")
+            time.sleep(0.05)
+    return gc_totals(prefix, pids, since)
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and its live children (the gateway's workers)."""
     pids = [pid]
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -129,8 +196,13 @@ def tree_cpu_seconds(pid: int) -> float:
                 continue
             if int(fields[1]) == pid:
                 pids.append(int(entry))
+    return pids
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its live children (the gateway's workers)."""
     total = 0.0
-    for p in pids:
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -150,8 +222,16 @@ def main() -> int:
         "--stream-concurrency", type=int, default=512, help="streams at once (each ~0.5 s)"
     )
     parser.add_argument("--workloads", nargs="+", default=["agent", "stream"])
+    parser.add_argument(
+        "--tree", action="append", default=[], metavar="NAME=PATH", help="another source tree"
+    )
+    parser.add_argument("--gc-probe", action="store_true", help="time the gateways' collections")
     parser.add_argument("--loadgen", nargs=3, metavar=("URL", "BODIES", "CONCURRENCY"))
     args = parser.parse_args()
+    trees = {"this": ROOT}
+    for spec in args.tree:
+        name, _, path = spec.partition("=")
+        trees[name] = Path(path).resolve()
     if args.loadgen:
         url, path, conc = args.loadgen
         print(json.dumps(asyncio.run(load(url, Path(path), int(conc)))))
@@ -170,17 +250,28 @@ def main() -> int:
                  "--chunks", str(CHUNKS), "--chunk-interval-ms", str(CHUNK_INTERVAL_MS)],
                 port, procs, tmpdir / "stub.log",
             )  # fmt: skip
-            gateways: dict[int, tuple[str, int]] = {}
-            for workers in args.workers:
-                port = free_port()
-                url = start(
-                    ["-m", "prefixgate", "gateway", "--port", str(port), "--replica", stub,
-                     "--redis-url", redis_url, "--tokenizer", MODEL, "--chat-template",
-                     str(TEMPLATE), "--workers", str(workers), "--log-level", "info"],
-                    port, procs, tmpdir / f"gateway-{workers}.log",
-                )  # fmt: skip
-                wait_http_ok(url + "/ready", timeout=60, procs=procs)
-                gateways[workers] = (url, procs[-1].pid)
+            if args.gc_probe:
+                probe_dir = tmpdir / "gc-probe"
+                probe_dir.mkdir()
+                (probe_dir / "sitecustomize.py").write_text(GC_PROBE)
+            # (tree, workers) -> (URL, parent pid, the probe's file prefix)
+            gateways: dict[tuple[str, int], tuple[str, int, Path]] = {}
+            for name, tree in trees.items():
+                for workers in args.workers:
+                    port = free_port()
+                    label = f"gateway-{name}-{workers}"
+                    env = {}
+                    if args.gc_probe:
+                        env["PYTHONPATH"] = str(probe_dir)
+                        env["PREFIXGATE_GC_PROBE"] = str(probe_dir / label)
+                    url = start(
+                        ["-m", "prefixgate", "gateway", "--port", str(port), "--replica", stub,
+                         "--redis-url", redis_url, "--tokenizer", MODEL, "--chat-template",
+                         str(TEMPLATE), "--workers", str(workers), "--log-level", "info"],
+                        port, procs, tmpdir / f"{label}.log", cwd=tree, env=env,
+                    )  # fmt: skip
+                    wait_http_ok(url + "/ready", timeout=60, procs=procs)
+                    gateways[(name, workers)] = (url, procs[-1].pid, probe_dir / label)
             files = {}
             conc = {"agent": args.concurrency, "stream": args.stream_concurrency}
             for workload in args.workloads:
@@ -188,7 +279,8 @@ def main() -> int:
                 n = args.requests + conc[workload]
                 files[workload].write_text(json.dumps(bodies(workload, n)))
             print(
-                f"stub backend, Redis, gateways with --workers {args.workers}; "
+                f"stub backend, Redis, gateways of {', '.join(trees)} "
+                f"with --workers {args.workers}; "
                 f"{args.requests} requests per run after as many warm-up as run at once "
                 f"(agent {args.concurrency}, stream {args.stream_concurrency}); "
                 f"{os.cpu_count()} CPUs; "
@@ -199,8 +291,10 @@ def main() -> int:
             for round_ in range(args.rounds):
                 for workload in args.workloads:
                     for k in range(len(order)):
-                        workers = order[(round_ + k) % len(order)]
-                        url, pid = gateways[workers]
+                        name, workers = order[(round_ + k) % len(order)]
+                        url, pid, probe = gateways[(name, workers)]
+                        began = time.time()
+                        collected = gc_totals(probe, tree_pids(pid)) if args.gc_probe else {}
                         cpu = tree_cpu_seconds(pid)
                         out = subprocess.run(
                             [sys.executable, __file__, "--loadgen", url, str(files[workload]),
@@ -210,13 +304,22 @@ def main() -> int:
                         cpu = tree_cpu_seconds(pid) - cpu
                         r = json.loads(out.stdout.strip().splitlines()[-1])
                         sent = r["measured"] + conc[workload]
+                        gc_line = ""
+                        if args.gc_probe:
+                            now = fresh_gc_totals(probe, tree_pids(pid), began)
+                            spent = (now["seconds"] - collected["seconds"]) / sent * 1e3
+                            gc_line = (
+                                f"  gc {now['collections'] - collected['collections']} "
+                                f"collections, {spent:.3f} ms/request, "
+                                f"longest {now['longest'] * 1e3:.1f} ms"
+                            )
                         print(
-                            f"round {round_ + 1} {workload:<6} workers {workers}: "
+                            f"round {round_ + 1} {workload:<6} {name} workers {workers}: "
                             f"{r['rps']:7.1f} req/s  p50 {r['p50_ms']:7.1f} ms  "
                             f"p99 {r['p99_ms']:7.1f} ms  errors {r['errors']}  "
                             f"gateway CPU {cpu / sent * 1e3:.2f} ms/request "
                             f"({cpu / (sent / r['rps']):.2f} cores while loaded)  "
-                            f"load {os.getloadavg()[0]:.1f}",
+                            f"load {os.getloadavg()[0]:.1f}{gc_line}",
                             flush=True,
                         )
         finally:
