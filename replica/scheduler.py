@@ -557,6 +557,10 @@ class Scheduler:
             return
         request.finished_at = self.clock()
         request.sink.close(request.output())
+        # Its sequences point back at it: dropped, so that the request, its handle and
+        # what they hold are freed when the last reference goes, not at the next
+        # garbage collection (prefixgate/gc_heap.py). Nothing reads them after this.
+        request.sequences = []
 
     def check_invariants(self) -> None:
         held = {b for s in self.running for b in s.block_ids}
