@@ -1,4 +1,4 @@
-"""The garbage collector's settings for the gateway, set once it serves.
+"""The garbage collector's settings for a server (gateway, replica), set once it serves.
 
 CPython collects its youngest generation each time 700 more container objects (dicts,
 lists, ...) are alive than at the last collection, promotes what survives, and walks the
@@ -6,9 +6,10 @@ whole heap when enough has been promoted. A gateway request parses a JSON body (
 agent's turn with 30 tool definitions is about 3,000 dicts and lists) that stays alive
 while its answer comes, so the bodies of the requests in flight were promoted again and
 again, and the full collections walked the start-up heap too (about 100,000 objects:
-tokenizers, templates, modules), alive until exit. Measured on agent turns
-(``benchmarks/gateway_workers.py``): 19% of the gateway's CPU in the collector, and
-pauses of 40-70 ms for every stream in flight.
+tokenizers, templates, modules; a replica's model besides), alive until exit. Measured
+on agent turns (``benchmarks/gateway_workers.py --gc-probe``,
+``benchmarks/replica_gc.py``): about a fifth of the gateway's and of a simulated
+replica's CPU in the collector, and pauses of 50-190 ms for every request in flight.
 
 ``settle``, once the server is up:
 
@@ -18,8 +19,9 @@ pauses of 40-70 ms for every stream in flight.
   instead of 700: a burst of request bodies is no longer a collection.
 
 Garbage in reference cycles waits longer for a collection so, as it holds what it
-references (a body, an answer), the gateway's requests make none: every way a request
-goes frees what it made by reference counting (tests/gateway/test_reference_cycles.py).
+references (a body, an answer), requests make none: every way a request goes frees
+what it made by reference counting (tests/gateway/test_reference_cycles.py,
+tests/replica/test_reference_cycles.py).
 """
 
 from __future__ import annotations

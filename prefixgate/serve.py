@@ -3,7 +3,7 @@
 * Its TLS files are reloaded when they change (``prefixgate.tls.TLSFiles``): a
   certificate rotated on disk is served without a restart.
 * ``settle_heap``: once serving, the garbage collector is set for a server's heap
-  (``prefixgate.gc_heap``; the gateway's).
+  (``prefixgate.gc_heap``).
 * A client must finish its TLS handshake within ``handshake_timeout_s`` (the HTTP
   guard's header timeout), as it must send its request head in time. uvicorn leaves the
   event loop's default of 60 s, and the guard only sees a connection once its handshake

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         **server_options(limits),
         **tls,
     )
-    server = Server(config, handshake_timeout_s=limits.header_timeout_s)
+    server = Server(config, handshake_timeout_s=limits.header_timeout_s, settle_heap=True)
     replica.on_engine_death = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down gracefully; with
     # this handler in place that re-raise is a no-op and the process exits 0.
