@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -118,6 +118,9 @@ class ReplicaMetrics:
 
     def __post_init__(self) -> None:
         r = self.registry
+        # The process's garbage collections by generation (python_gc_*, as vLLM's
+        # /metrics has them): rare once the heap is settled (prefixgate/gc_heap.py).
+        GCCollector(registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.", registry=r)
         self.generation_tokens = Counter(
             P + "generation_tokens", "Generation tokens produced.", registry=r

@@ -1,8 +1,9 @@
-"""The gateway's garbage collector once it serves (prefixgate/gc_heap.py): its start-up
+"""The servers' garbage collector once they serve (prefixgate/gc_heap.py): the start-up
 heap frozen, and request bodies no longer a collection each.
 
-A real gateway process in front of a stub engine, the official ``openai`` client, and
-the gateway's own ``/metrics`` (``python_gc_collections_total``)."""
+Real processes (a gateway in front of a stub engine; a simulated-engine replica), the
+official ``openai`` client, and each server's own ``/metrics``
+(``python_gc_collections_total``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixgate.procs import stop_process
 from tests.gateway.conftest import start_gateway, start_stub
+from tests.replica.conftest import start_replica
 
 MODEL = "tiny-random"
 
@@ -48,8 +51,21 @@ def collections(url: str) -> dict[str, float]:
     raise AssertionError("no python_gc_collections_total in /metrics")
 
 
+def agent_turns(client: openai.OpenAI, model: str, n: int, **extra: Any) -> None:
+    definitions = tools(30)
+    for i in range(n):
+        answer = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"request {i}: list my tickets"}],
+            tools=definitions,  # type: ignore[arg-type]
+            max_tokens=4,
+            **extra,
+        )
+        assert answer.choices
+
+
 def test_agent_turns_cost_the_serving_gateway_no_collections(tmp_path: Path) -> None:
-    """200 agent turns of 30 tool definitions each (about 3,000 dicts and lists per body,
+    """200 agent turns of 30 tool definitions each (about 700 dicts and lists per body,
     which the collector's default settings collect after every 700): not a collection
     once the heap is settled."""
     stub = start_stub(tmp_path, "stub", "--model", MODEL)
@@ -57,22 +73,9 @@ def test_agent_turns_cost_the_serving_gateway_no_collections(tmp_path: Path) -> 
     try:
         gateway = start_gateway(tmp_path, "gateway", [stub.url], "--model", MODEL)
         client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
-        definitions = tools(30)
-
-        def turn(i: int) -> None:
-            answer = client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": f"request {i}: list my tickets"}],
-                tools=definitions,  # type: ignore[arg-type]
-                max_tokens=4,
-            )
-            assert answer.choices
-
-        for i in range(5):  # the first turns load what the gateway loads on first use
-            turn(i)
+        agent_turns(client, MODEL, 5)  # the first turns load what the gateway loads on first use
         before = collections(gateway.url)
-        for i in range(200):
-            turn(i)
+        agent_turns(client, MODEL, 200)
         after = collections(gateway.url)
         made = {g: after[g] - before[g] for g in after}
         assert made["0"] <= 2 and made["2"] == 0, made
@@ -81,6 +84,24 @@ def test_agent_turns_cost_the_serving_gateway_no_collections(tmp_path: Path) -> 
         if gateway is not None:
             gateway.stop()
         stub.stop()
+
+
+def test_agent_turns_cost_a_serving_sim_replica_no_collections(tmp_path: Path) -> None:
+    """The same turns answered by a simulated-engine replica: its server, scheduler and
+    cache bookkeeping make no collection either (a finished request used to leave a
+    reference cycle: tests/replica/test_reference_cycles.py)."""
+    replica = start_replica(tmp_path, "--model", "sim")
+    try:
+        client = replica.client()
+        agent_turns(client, "sim", 5, tool_choice="none")
+        before = collections(replica.url)
+        agent_turns(client, "sim", 200, tool_choice="none")
+        after = collections(replica.url)
+        made = {g: after[g] - before[g] for g in after}
+        assert made["0"] <= 2 and made["2"] == 0, made
+        assert "start-up objects frozen" in replica.log_tail(100_000)
+    finally:
+        stop_process(replica.proc)
 
 
 def test_settle_freezes_the_heap_and_raises_only_the_youngest_threshold() -> None:
