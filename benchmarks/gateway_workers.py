@@ -7,7 +7,8 @@ A stub backend (tests/support/stub_backend.py: it costs nothing, so the figures 
 the gateway), Redis, and one gateway per ``--workers`` value, all running at once; each
 round sends every workload to every gateway in rotated order (closed loop, aiohttp, its
 own process). Per gateway and workload: requests/s, latency p50/p99 of the whole answer,
-errors, and the CPU the gateway's processes used (parent and workers) per request.
+errors, the CPU the gateway's processes used (parent and workers) per request, and
+their resident memory after the run.
 
 Workloads (the work a gateway does per request, not the engine's):
 
@@ -199,6 +200,18 @@ def tree_pids(pid: int) -> list[int]:
     return pids
 
 
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its live children, MiB."""
+    total = 0
+    for p in tree_pids(pid):
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1])
+        except OSError:
+            continue
+    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU of a process and its live children (the gateway's workers)."""
     total = 0.0
@@ -319,6 +332,7 @@ def main() -> int:
                             f"p99 {r['p99_ms']:7.1f} ms  errors {r['errors']}  "
                             f"gateway CPU {cpu / sent * 1e3:.2f} ms/request "
                             f"({cpu / (sent / r['rps']):.2f} cores while loaded)  "
+                            f"RSS {tree_rss_mb(pid):.0f} MiB  "
                             f"load {os.getloadavg()[0]:.1f}{gc_line}",
                             flush=True,
                         )
