@@ -263,8 +263,8 @@ def main() -> int:
                  "--chunks", str(CHUNKS), "--chunk-interval-ms", str(CHUNK_INTERVAL_MS)],
                 port, procs, tmpdir / "stub.log",
             )  # fmt: skip
+            probe_dir = tmpdir / "gc-probe"
             if args.gc_probe:
-                probe_dir = tmpdir / "gc-probe"
                 probe_dir.mkdir()
                 (probe_dir / "sitecustomize.py").write_text(GC_PROBE)
             # (tree, workers) -> (URL, parent pid, the probe's file prefix)
