@@ -2,11 +2,12 @@
 
 CPython collects its youngest generation each time 700 more container objects (dicts,
 lists, ...) are alive than at the last collection, promotes what survives, and walks the
-whole heap when enough has been promoted. A gateway request parses a JSON body (an
-agent's turn with 30 tool definitions is about 3,000 dicts and lists) that stays alive
-while its answer comes, so the bodies of the requests in flight were promoted again and
-again, and the full collections walked the start-up heap too (about 100,000 objects:
-tokenizers, templates, modules; a replica's model besides), alive until exit. Measured
+whole heap when enough has been promoted. An agent's turn allocates more than 700, many
+alive until its answer comes (its parsed body alone is 365 dicts and lists with 30 tool
+definitions; then its validated request and the template's render): about one young
+collection per request, whose survivors, the requests in flight, were promoted, and
+full collections that walked the start-up heap too (about 100,000 objects: tokenizers,
+templates, modules; a replica's model besides), alive until exit. Measured
 on agent turns (``benchmarks/gateway_workers.py --gc-probe``,
 ``benchmarks/replica_gc.py``): about a fifth of the gateway's and of a simulated
 replica's CPU in the collector, and pauses of 50-190 ms for every request in flight.

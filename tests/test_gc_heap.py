@@ -65,9 +65,9 @@ def agent_turns(client: openai.OpenAI, model: str, n: int, **extra: Any) -> None
 
 
 def test_agent_turns_cost_the_serving_gateway_no_collections(tmp_path: Path) -> None:
-    """200 agent turns of 30 tool definitions each (about 700 dicts and lists per body,
-    which the collector's default settings collect after every 700): not a collection
-    once the heap is settled."""
+    """200 agent turns of 30 tool definitions each (a body of about 630 dicts and lists,
+    and more for its validation and render: with the collector's defaults about one
+    young collection per turn): not a collection once the heap is settled."""
     stub = start_stub(tmp_path, "stub", "--model", MODEL)
     gateway = None
     try:
