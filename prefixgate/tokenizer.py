@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from prefixgate.chat_input import ChatInput, without_developer_role
 from prefixgate.content_format import ContentFormat, detect_content_format, shaped_messages
 from prefixgate.models import ensure_tokenizer_dir
+from prefixgate.tojson import tojson
 from prefixgate.wire import OpenAIError
 
 # The named special tokens transformers hands to every chat template.
@@ -65,19 +66,6 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
@@ -101,7 +89,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
