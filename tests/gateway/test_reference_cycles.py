@@ -4,8 +4,8 @@ The gateway keeps the garbage collector's young generation large and its start-u
 frozen (prefixgate/gc_heap.py), which makes collections rare: garbage that only a
 collection can free (objects in a reference cycle) then waits longer, with whatever it
 holds (a request's body, an answer). So every way a request goes, served, refused,
-retried, broken off or left by its client, must free what it made by reference counting
-alone. A request's DisconnectWatch once left about 30 objects in a cycle.
+failed by its replica, broken off or left by its client, must free what it made by
+reference counting alone. A request's DisconnectWatch once left about 30 objects in a cycle.
 
 The gateway runs in this process under a real uvicorn (tests/gateway/loopback.py), with
 the collector off while the requests run; a collection afterwards with ``DEBUG_SAVEALL``
