@@ -20,7 +20,14 @@ from typing import Any
 
 from gateway.config import POLICIES, GatewayConfig
 from gateway.sagemaker_sessions import session_seconds_from_env
-from gateway.workers import Supervisor, bind_public, worker_spec
+from gateway.workers import (
+    AUTO,
+    Supervisor,
+    bind_public,
+    usable_cpus,
+    worker_spec,
+    workers_arg,
+)
 from prefixgate.chat_input import template_defaults
 from prefixgate.content_format import CONTENT_FORMAT_OPTIONS
 from prefixgate.envflags import add_env_flag, add_env_list_flag, api_key_value, env_var
@@ -178,10 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p,
         "workers",
-        type=int,
+        type=workers_arg,
         default=1,
         help="gateway processes serving the address, one core each at most; more than one "
-        "needs --redis-url, which they share as separate gateways do (gateway/workers.py)",
+        "needs --redis-url, which they share as separate gateways do (gateway/workers.py); "
+        "auto: one per CPU this process may use (its affinity and its container's CPU "
+        "limit), or 1 without --redis-url or with SageMaker sessions",
     )
     add_env_flag(p, "log-level", default="info", help="logging level")
     return p
@@ -328,6 +337,20 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     )
 
 
+def resolve_workers(args: argparse.Namespace, config: GatewayConfig) -> str | None:
+    """``--workers auto`` made a count (in ``args``); what was chosen and why, to log."""
+    if args.workers != AUTO:
+        return None
+    if not config.redis_url:
+        args.workers = 1
+        return "--workers auto: 1 (several workers share state through --redis-url)"
+    if config.sagemaker_session_s is not None:
+        args.workers = 1
+        return "--workers auto: 1 (SageMaker's sessions are kept by one process)"
+    args.workers = usable_cpus()
+    return f"--workers auto: {args.workers} (the CPUs this process may use)"
+
+
 def check_workers(args: argparse.Namespace, config: GatewayConfig) -> None:
     """``--workers N``: what N processes cannot do without sharing state."""
     if args.workers < 1:
@@ -352,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = worker_spec()  # set when this process is one of --workers
     try:
         config = config_from_args(args)
+        chosen = resolve_workers(args, config)
         check_workers(args, config)
         if spec is not None:
             suffix = f"-w{spec.index}"
@@ -390,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=level, format=f"%(asctime)s %(levelname)s %(name)s{where} %(message)s"
     )
+    if chosen is not None and spec is None:
+        logging.getLogger("prefixgate.gateway").info(chosen)
     if spec is None and args.workers > 1:
         try:
             public = bind_public(config.host, config.port)

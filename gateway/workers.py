@@ -21,6 +21,9 @@ SIGTERM, SIGINT or SIGHUP to the parent sends each worker one SIGTERM (a second 
 SIGKILL). Workers die with the parent on Linux (``PR_SET_PDEATHSIG``), so a killed
 parent leaves no process serving alone.
 
+``--workers auto``: one worker per CPU this process may use (``usable_cpus``: its CPU
+affinity, bounded by its cgroup's CPU quota, a container's CPU limit, rounded up).
+
 ``/metrics`` on the shared address answers every worker's series, each with a ``worker``
 label: the answering worker asks the others on their loopback ports (``MergedMetrics``),
 since a scrape reaches one worker at random. Everything else is a
@@ -33,6 +36,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import signal
 import socket
@@ -47,6 +51,48 @@ from types import FrameType
 import httpx
 
 log = logging.getLogger("prefixgate.gateway")
+
+AUTO = "auto"
+
+
+def workers_arg(value: str) -> int | str:
+    """``--workers``: a count, or ``auto``."""
+    if value.strip().lower() == AUTO:
+        return AUTO
+    return int(value)
+
+
+def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may run on: its affinity, at most its cgroup's CPU quota
+    (cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) rounded
+    up, at least 1. A container limited to 1.5 CPUs gets 2: together they use 1.5."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
+
+
+def _cgroup_quota(cgroup: str) -> float | None:
+    """The CPU quota in CPUs, None when there is none (or no cgroup file to read)."""
+    try:
+        with open(os.path.join(cgroup, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
 
 # Set by the parent for each worker: "INDEX;PUBLIC_FD,...;PRIVATE_FD;PORT,PORT,..." (the
 # loopback ports of every worker, by index).

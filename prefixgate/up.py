@@ -93,6 +93,11 @@ def replica_command(args: argparse.Namespace, index: int, port: int, redis_url: 
     return cmd
 
 
+def _workers(value: str) -> int | str:
+    """``--gateway-workers``: a count, or ``auto`` (the gateway's ``--workers auto``)."""
+    return "auto" if value.strip().lower() == "auto" else int(value)
+
+
 def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url: str) -> list[str]:
     served = served_names(args.model, args.served_model_name)[0]
     cmd = [sys.executable, "-m", "prefixgate", "gateway", "--model", served]
@@ -103,7 +108,7 @@ def gateway_command(args: argparse.Namespace, replica_urls: list[str], redis_url
         cmd += ["--replica", url]
     if args.policy is not None:
         cmd += ["--policy", args.policy]
-    if args.gateway_workers > 1:
+    if args.gateway_workers == "auto" or args.gateway_workers > 1:
         cmd += ["--workers", str(args.gateway_workers)]
     for option in args.router_option or ():
         cmd += ["--router-option", option]
@@ -326,10 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--gateway-workers",
         metavar="N",
-        type=int,
+        type=_workers,
         default=1,
         help="gateway processes serving the port (its --workers; default 1): one core of "
-        "gateway work each, for many replicas or long streamed answers",
+        "gateway work each, for many replicas or long streamed answers; auto: one per "
+        "CPU the gateway may use",
     )
     add(
         "--router-option",
@@ -411,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--replicas must be at least 1")
     if args.data_parallel_size < 1:
         parser.error("--data-parallel-size must be at least 1")
-    if args.gateway_workers < 1:
+    if args.gateway_workers != "auto" and args.gateway_workers < 1:
         parser.error("--gateway-workers must be at least 1")
     if args.data_parallel_size > 1 and args.engine != "vllm":
         parser.error("--data-parallel-size is for --engine vllm")

@@ -31,6 +31,7 @@ from gateway.workers import (
     WorkerSpec,
     bind_loopback,
     merged_metrics,
+    usable_cpus,
 )
 from prefixgate import up
 from prefixgate.procs import free_port, stop_process
@@ -314,10 +315,57 @@ def test_a_merge_is_reused_for_a_second_and_a_silent_worker_left_out() -> None:
 def test_worker_spec_round_trip_and_up_passes_workers() -> None:
     spec = WorkerSpec(1, (5, 6), 7, (4001, 4002, 4003))
     assert WorkerSpec.decode(spec.encode()) == spec and spec.port == 4002
-    args = up.parse_args(["--gateway-workers", "3"])
-    command = up.gateway_command(args, [], "redis://x")
-    assert command[command.index("--workers") + 1] == "3"
+    for given in ("3", "auto"):
+        args = up.parse_args(["--gateway-workers", given])
+        command = up.gateway_command(args, [], "redis://x")
+        assert command[command.index("--workers") + 1] == given
     assert "--workers" not in up.gateway_command(up.parse_args([]), [], "redis://x")
+
+
+def test_usable_cpus_are_the_affinity_at_most_the_cgroups_quota_rounded_up(
+    tmp_path: Path,
+) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(str(tmp_path)) == affinity  # no cgroup files: no quota
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(str(tmp_path)) == affinity
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # a limit of 1.5 CPUs
+    assert usable_cpus(str(tmp_path)) == min(affinity, 2)
+    (tmp_path / "cpu.max").write_text("20000 100000\n")
+    assert usable_cpus(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()  # cgroup v1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(str(tmp_path)) == affinity
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert usable_cpus(str(tmp_path)) == 1
+
+
+def test_workers_auto_starts_one_per_usable_cpu_or_one_without_redis(
+    tmp_path: Path, module_redis: RedisServer
+) -> None:
+    """``PREFIXGATE_WORKERS=auto`` (the flag's variable, as a container sets it)."""
+    expected = usable_cpus()
+    stub = start_stub(tmp_path, "stub")
+    servers = [stub]
+    try:
+        auto = {"PREFIXGATE_WORKERS": "auto"}
+        flags = ["--redis-url", module_redis.url]
+        shared = start_gateway(tmp_path, "shared", [stub.url], *flags, env=auto)
+        servers.append(shared)
+        workers = expected if expected > 1 else 0  # one: the process serves alone
+        wait_until(lambda: len(children(shared.proc.pid)) == workers, what="the workers")
+        assert f"--workers auto: {expected} (the CPUs" in shared.log_text()
+        alone = start_gateway(tmp_path, "alone", [stub.url], env=auto)
+        servers.append(alone)
+        assert children(alone.proc.pid) == []
+        assert "--workers auto: 1 (several workers share state" in alone.log_text()
+        for server in (shared, alone):
+            assert httpx.get(server.url + "/ready", timeout=10).status_code == 200
+    finally:
+        for server in reversed(servers):
+            server.stop()
 
 
 def test_workers_behind_tls_serve_and_merge_their_metrics(
