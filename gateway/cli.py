@@ -25,8 +25,8 @@ from gateway.workers import (
     Supervisor,
     bind_public,
     usable_cpus,
+    worker_count,
     worker_spec,
-    workers_arg,
 )
 from prefixgate.chat_input import template_defaults
 from prefixgate.content_format import CONTENT_FORMAT_OPTIONS
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_flag(
         p,
         "workers",
-        type=workers_arg,
+        type=worker_count,
         default=1,
         help="gateway processes serving the address, one core each at most; more than one "
         "needs --redis-url, which they share as separate gateways do (gateway/workers.py); "

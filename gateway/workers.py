@@ -32,6 +32,7 @@ worker's own view (``/router/stats`` says which worker answered).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -55,11 +56,14 @@ log = logging.getLogger("prefixgate.gateway")
 AUTO = "auto"
 
 
-def workers_arg(value: str) -> int | str:
+def worker_count(value: str) -> int | str:
     """``--workers``: a count, or ``auto``."""
     if value.strip().lower() == AUTO:
         return AUTO
-    return int(value)
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of processes, or auto") from None
 
 
 def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:

@@ -25,6 +25,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.cli import build_parser
 from gateway.workers import (
     MergedMetrics,
     Supervisor,
@@ -320,6 +321,9 @@ def test_worker_spec_round_trip_and_up_passes_workers() -> None:
         command = up.gateway_command(args, [], "redis://x")
         assert command[command.index("--workers") + 1] == given
     assert "--workers" not in up.gateway_command(up.parse_args([]), [], "redis://x")
+    assert build_parser().parse_args(["--workers", "AUTO"]).workers == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--workers", "many"])
 
 
 def test_usable_cpus_are_the_affinity_at_most_the_cgroups_quota_rounded_up(
