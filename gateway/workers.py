@@ -81,21 +81,49 @@ def usable_cpus(cgroup: str = "/sys/fs/cgroup") -> int:
 
 
 def _cgroup_quota(cgroup: str) -> float | None:
-    """The CPU quota in CPUs, None when there is none (or no cgroup file to read)."""
+    """The CPU quota in CPUs, None when there is none (or no cgroup file to read): of
+    this process's own cgroup (``/proc/self/cgroup``), else of the hierarchy's root (a
+    container's own cgroup, seen through its cgroup namespace)."""
+    own_v2, own_v1 = _own_cgroups()
+    for directory in dict.fromkeys([os.path.join(cgroup, own_v2), cgroup]):
+        try:
+            with open(os.path.join(directory, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            continue
+    v1_root = os.path.join(cgroup, "cpu")
+    for directory in dict.fromkeys([os.path.join(v1_root, own_v1), v1_root]):
+        try:
+            with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+                quota_us = int(f.read())
+            with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+                period_us = int(f.read())
+        except (OSError, ValueError):
+            continue
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    return None
+
+
+def _own_cgroups() -> tuple[str, str]:
+    """This process's cgroup paths, relative: in the v2 hierarchy and in v1's ``cpu``
+    controller ("" when unknown or the root)."""
+    v2 = v1 = ""
     try:
-        with open(os.path.join(cgroup, "cpu.max")) as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")) as f:
-            quota_us = int(f.read())
-        with open(os.path.join(cgroup, "cpu", "cpu.cfs_period_us")) as f:
-            period_us = int(f.read())
-    except (OSError, ValueError):
-        return None
-    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return v2, v1
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            v2 = path.lstrip("/")
+        elif "cpu" in controllers.split(","):
+            v1 = path.lstrip("/")
+    return v2, v1
 
 
 # Set by the parent for each worker: "INDEX;PUBLIC_FD,...;PRIVATE_FD;PORT,PORT,..." (the

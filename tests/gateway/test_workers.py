@@ -25,6 +25,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import workers
 from gateway.cli import build_parser
 from gateway.workers import (
     MergedMetrics,
@@ -344,6 +345,21 @@ def test_usable_cpus_are_the_affinity_at_most_the_cgroups_quota_rounded_up(
     assert usable_cpus(str(tmp_path)) == affinity
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
     assert usable_cpus(str(tmp_path)) == 1
+
+
+def test_usable_cpus_read_the_process_own_cgroup_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a host (no cgroup namespace) the process's cgroup is below the root."""
+    affinity = len(os.sched_getaffinity(0))
+    own = tmp_path / "kubepods" / "pod-a"
+    own.mkdir(parents=True)
+    (own / "cpu.max").write_text("100000 100000\n")
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    monkeypatch.setattr(workers, "_own_cgroups", lambda: ("kubepods/pod-a", ""))
+    assert usable_cpus(str(tmp_path)) == 1
+    monkeypatch.setattr(workers, "_own_cgroups", lambda: ("elsewhere", ""))
+    assert usable_cpus(str(tmp_path)) == affinity  # not there: the root's, no quota
 
 
 def test_workers_auto_starts_one_per_usable_cpu_or_one_without_redis(
