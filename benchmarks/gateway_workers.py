@@ -185,6 +185,35 @@ def fresh_gc_totals(prefix: Path, pids: list[int], since: float) -> dict[str, An
     return gc_totals(prefix, pids, since)
 
 
+def measured_load(
+    url: str, pid: int, bodies_path: Path, concurrency: int, probe: Path | None
+) -> tuple[dict[str, Any], float, str]:
+    """One closed-loop run (the load generator in its own process) against the server
+    ``pid`` (and its children): the generator's figures, the server's CPU seconds per
+    request sent, and with a probe (``--gc-probe``) its collections during the run as a
+    line to print ("" without)."""
+    began = time.time()
+    collected = gc_totals(probe, tree_pids(pid)) if probe is not None else {}
+    cpu = tree_cpu_seconds(pid)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--loadgen", url, str(bodies_path),
+         str(concurrency)],
+        check=True, capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    cpu = tree_cpu_seconds(pid) - cpu
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    sent = r["measured"] + concurrency
+    if probe is None:
+        return r, cpu / sent, ""
+    now = fresh_gc_totals(probe, tree_pids(pid), began)
+    spent = (now["seconds"] - collected["seconds"]) / sent * 1e3
+    gc_line = (
+        f"  gc {now['collections'] - collected['collections']} collections, "
+        f"{spent:.3f} ms/request, longest {now['longest'] * 1e3:.1f} ms"
+    )
+    return r, cpu / sent, gc_line
+
+
 def tree_pids(pid: int) -> list[int]:
     """A process and its live children (the gateway's workers)."""
     pids = [pid]
@@ -306,32 +335,16 @@ def main() -> int:
                     for k in range(len(order)):
                         name, workers = order[(round_ + k) % len(order)]
                         url, pid, probe = gateways[(name, workers)]
-                        began = time.time()
-                        collected = gc_totals(probe, tree_pids(pid)) if args.gc_probe else {}
-                        cpu = tree_cpu_seconds(pid)
-                        out = subprocess.run(
-                            [sys.executable, __file__, "--loadgen", url, str(files[workload]),
-                             str(conc[workload])],
-                            check=True, capture_output=True, text=True, cwd=ROOT,
+                        r, cpu, gc_line = measured_load(
+                            url, pid, files[workload], conc[workload],
+                            probe if args.gc_probe else None,
                         )  # fmt: skip
-                        cpu = tree_cpu_seconds(pid) - cpu
-                        r = json.loads(out.stdout.strip().splitlines()[-1])
-                        sent = r["measured"] + conc[workload]
-                        gc_line = ""
-                        if args.gc_probe:
-                            now = fresh_gc_totals(probe, tree_pids(pid), began)
-                            spent = (now["seconds"] - collected["seconds"]) / sent * 1e3
-                            gc_line = (
-                                f"  gc {now['collections'] - collected['collections']} "
-                                f"collections, {spent:.3f} ms/request, "
-                                f"longest {now['longest'] * 1e3:.1f} ms"
-                            )
                         print(
                             f"round {round_ + 1} {workload:<6} {name} workers {workers}: "
                             f"{r['rps']:7.1f} req/s  p50 {r['p50_ms']:7.1f} ms  "
                             f"p99 {r['p99_ms']:7.1f} ms  errors {r['errors']}  "
-                            f"gateway CPU {cpu / sent * 1e3:.2f} ms/request "
-                            f"({cpu / (sent / r['rps']):.2f} cores while loaded)  "
+                            f"gateway CPU {cpu * 1e3:.2f} ms/request "
+                            f"({cpu * r['rps']:.2f} cores while loaded)  "
                             f"RSS {tree_rss_mb(pid):.0f} MiB  "
                             f"load {os.getloadavg()[0]:.1f}{gc_line}",
                             flush=True,

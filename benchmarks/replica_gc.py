@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,13 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from agents_bench import start  # noqa: E402
-from gateway_workers import (  # noqa: E402
-    GC_PROBE,
-    bodies,
-    fresh_gc_totals,
-    gc_totals,
-    tree_cpu_seconds,
-)
+from gateway_workers import GC_PROBE, bodies, measured_load  # noqa: E402
 
 from prefixgate.procs import free_port, stop_process  # noqa: E402
 
@@ -88,26 +81,12 @@ def main() -> int:
                 for k in range(len(order)):
                     name = order[(round_ + k) % len(order)]
                     url, pid, probe = replicas[name]
-                    began = time.time()
-                    collected = gc_totals(probe, [pid])
-                    cpu = tree_cpu_seconds(pid)
-                    out = subprocess.run(
-                        [sys.executable, str(ROOT / "benchmarks" / "gateway_workers.py"),
-                         "--loadgen", url, str(path), str(args.concurrency)],
-                        check=True, capture_output=True, text=True, cwd=ROOT,
-                    )  # fmt: skip
-                    cpu = tree_cpu_seconds(pid) - cpu
-                    now = fresh_gc_totals(probe, [pid], began)
-                    r = json.loads(out.stdout.strip().splitlines()[-1])
-                    sent = r["measured"] + args.concurrency
-                    spent = (now["seconds"] - collected["seconds"]) / sent * 1e3
+                    r, cpu, gc_line = measured_load(url, pid, path, args.concurrency, probe)
                     print(
                         f"round {round_ + 1} {name}: {r['rps']:6.1f} req/s  "
                         f"p50 {r['p50_ms']:6.1f} ms  p99 {r['p99_ms']:6.1f} ms  "
-                        f"errors {r['errors']}  replica CPU {cpu / sent * 1e3:.2f} ms/request  "
-                        f"gc {now['collections'] - collected['collections']} collections, "
-                        f"{spent:.3f} ms/request, longest {now['longest'] * 1e3:.1f} ms  "
-                        f"load {os.getloadavg()[0]:.1f}",
+                        f"errors {r['errors']}  replica CPU {cpu * 1e3:.2f} ms/request  "
+                        f"load {os.getloadavg()[0]:.1f}{gc_line}",
                         flush=True,
                     )
         finally:
